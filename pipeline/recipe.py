@@ -1,0 +1,236 @@
+"""Recipes: one TOML file names everything a run does, validated before any work starts.
+
+A recipe is data (as in torchtune): the target and drafter, the quantization scheme and its
+exclusions, calibration, the validation matrix, gate thresholds, the serving environment and the
+publish target. Every problem is reported as one line naming the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import RecipeError
+
+Scheme = Literal["mxfp4", "mxfp4_weight_only"]
+Workload = Literal["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
+Precision = Literal["bf16", "mxfp4"]
+Method = Literal["ar", "mtp", "dflash"]
+Backend = Literal["reference", "vllm"]
+
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Section):
+    """A model on the Hub (id + pinned revision) or in a local directory (path)."""
+
+    id: str | None = Field(None, description="Hub repo id, e.g. 'Qwen/Qwen3.5-27B'")
+    revision: str | None = Field(None, description="Hub revision; pin a 40-hex commit")
+    path: Path | None = Field(None, description="local checkpoint directory (relative to the recipe)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelRef:
+        if (self.id is None) == (self.path is None):
+            raise ValueError("give exactly one of 'id' (a Hub repo) or 'path' (a local directory)")
+        if self.id is not None:
+            if self.id.count("/") != 1:
+                raise ValueError(f"'id' must look like 'owner/name', got {self.id!r}")
+            if not self.revision:
+                raise ValueError("a Hub 'id' needs a pinned 'revision' (the 40-hex commit sha)")
+        elif self.revision is not None:
+            raise ValueError("'revision' only applies to a Hub 'id', not to a local 'path'")
+        return self
+
+    @property
+    def pinned(self) -> bool:
+        return self.path is not None or bool(self.revision and _HEX40.match(self.revision))
+
+    def describe(self) -> str:
+        return f"{self.id}@{self.revision}" if self.id else str(self.path)
+
+
+class Quantization(_Section):
+    scheme: Scheme = "mxfp4"
+    exclude: list[str] | None = Field(
+        None, description="fnmatch patterns kept in bf16; omit to use the model family's defaults"
+    )
+    quantize_mtp: bool = Field(False, description="quantize the MTP head (known to collapse MTP acceptance)")
+    mode: Literal["auto", "in_memory", "file_to_file"] = "auto"
+    template: str | None = Field(None, description="Quark LLMTemplate name; default: from model_type")
+
+
+class Calibration(_Section):
+    dataset: Literal["shakespeare", "jargon", "file"] = "shakespeare"
+    path: Path | None = Field(None, description="text file, with dataset = 'file'")
+    num_samples: Annotated[int, Field(ge=1)] = 32
+    seq_len: Annotated[int, Field(ge=16)] = 512
+
+    @model_validator(mode="after")
+    def _path_iff_file(self) -> Calibration:
+        if (self.dataset == "file") != (self.path is not None):
+            raise ValueError("set 'path' exactly when dataset = 'file'")
+        return self
+
+
+class Validation(_Section):
+    workloads: Annotated[list[Workload], Field(min_length=1)] = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
+    budgets: Annotated[list[Annotated[int, Field(ge=2, le=64)]], Field(min_length=1)] = [4, 8, 16]
+    concurrency: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)] = [1, 32]
+    precisions: Annotated[list[Precision], Field(min_length=1)] = ["bf16", "mxfp4"]
+    methods: Annotated[list[Method], Field(min_length=1)] = ["ar", "mtp", "dflash"]
+    backends: Annotated[list[Backend], Field(min_length=1)] = ["vllm"]
+    num_prompts: Annotated[int, Field(ge=1)] = 128
+    max_tokens: Annotated[int, Field(ge=1)] = 4096
+    warmup_requests: Annotated[int, Field(ge=0)] = 2
+    seed: int = 0
+
+
+class Gate(_Section):
+    max_acceptance_length_drop: Annotated[float, Field(ge=0)] = Field(
+        0.25, description="largest tolerated drop of mean AL (bf16 minus MXFP4), per workload and budget"
+    )
+    max_position_gap: Annotated[float, Field(ge=0, le=1)] = 0.05
+    min_throughput_lift: float | None = Field(None, description="e.g. 0.05 = MXFP4 must be 5% faster")
+    on_inconclusive: Literal["fail", "pass"] = "fail"
+
+
+class Serving(_Section):
+    env: dict[str, str] = {}
+    tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    extra_args: list[str] = []
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+
+
+class Publish(_Section):
+    repo_id: str | None = Field(None, description="target Hub repo 'owner/name'; unset = do not publish")
+    private: bool = True
+    create_pr: bool = False
+    tag: str | None = None
+    endpoint: str | None = Field(None, description="Hub endpoint; default: HF_ENDPOINT or huggingface.co")
+
+
+class Recipe(_Section):
+    name: Annotated[str, Field(min_length=1)]
+    description: str = ""
+    target: ModelRef
+    drafter: ModelRef
+    quantization: Quantization = Quantization()
+    calibration: Calibration = Calibration()
+    validation: Validation = Validation()
+    gate: Gate = Gate()
+    serving: Serving = Serving()
+    publish: Publish = Publish()
+
+    def section_hash(self, *sections: str) -> str:
+        """sha256 of the named sections, canonically serialised: what a stage's output depends on."""
+        data = self.model_dump(mode="json", include=set(sections) if sections else None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def sha256(self) -> str:
+        return self.section_hash()
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe; local paths in it are resolved against the recipe's folder."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe not found; pass the path of a .toml file (see recipes/)") from None
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.__class__.__name__}); pass a UTF-8 .toml file") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(_explain(path, text, exc)) from None
+    return _resolve_paths(recipe, path.parent.resolve())
+
+
+def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
+    def fix(section: BaseModel) -> BaseModel:
+        p = getattr(section, "path", None)
+        if p is None or p.is_absolute():
+            return section
+        return section.model_copy(update={"path": (base / p).resolve()})
+
+    return recipe.model_copy(
+        update={name: fix(getattr(recipe, name)) for name in ("target", "drafter", "calibration")}
+    )
+
+
+def _explain(path: Path, text: str, exc: ValidationError) -> str:
+    """One line per problem: where it is, what is wrong, how to fix it."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"] if not isinstance(part, int)]
+        key = ".".join(loc) or "(top level)"
+        where = f"{path}{_line_of(text, loc)}"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            section_model = _model_at(loc[:-1])
+            known = list(section_model.model_fields) if section_model else []
+            close = difflib.get_close_matches(loc[-1], known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
+            lines.append(f"{where}: unknown key '{key}'; {hint}")
+        elif kind == "missing":
+            lines.append(f"{where}: missing required key '{key}'; add it to the recipe")
+        elif kind == "literal_error":
+            expected = err.get("ctx", {}).get("expected", "")
+            lines.append(f"{where}: '{key}' = {err['input']!r} is not supported; use one of {expected}")
+        elif kind == "value_error":
+            lines.append(f"{where}: [{key}] {err['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"{where}: '{key}' = {err['input']!r}: {err['msg'].lower()}; fix its value")
+    return "\n".join(lines)
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def _line_of(text: str, loc: list[str]) -> str:
+    """Best-effort ':LINE' of a key in the TOML text, to point an editor at it."""
+    if not loc:
+        return ""
+    section, key = loc[:-1], loc[-1]
+    lines = text.splitlines()
+    start = 0
+    if section:
+        header = re.compile(r"^\s*\[\s*" + r"\s*\.\s*".join(map(re.escape, section)) + r"\s*\]")
+        found = next((i for i, line in enumerate(lines) if header.match(line)), None)
+        if found is None:
+            return ""
+        start = found + 1
+    key_re = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
+    for i in range(start, len(lines)):
+        if lines[i].lstrip().startswith("["):
+            break
+        if key_re.match(lines[i]):
+            return f":{i + 1}"
+    return f":{start}" if section else ""

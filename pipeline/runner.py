@@ -1,0 +1,196 @@
+"""The stage runner: run stages in order, each into OUT/<stage>/, skipping what is already done.
+
+Every stage writes into a temp folder that is renamed into place only when complete, with a
+`manifest.json` that records what the output was made from (recipe sections, input hashes, tool
+versions) and what it is (sha256 of each output file). A stage is skipped when its manifest's
+fingerprint matches and its outputs still hash as recorded; otherwise it is redone. So a run killed
+at any moment and started again finishes with the same artifacts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from rich.console import Console
+
+from pipeline.atomic import atomic_directory, atomic_write_text, sweep_partials
+from pipeline.errors import BadInputError
+from pipeline.hashing import HashCache, digest_of
+from pipeline.recipe import Recipe
+from pipeline.versions import tool_versions
+
+MANIFEST = "manifest.json"
+MANIFEST_SCHEMA = 1
+STATE_DIR = ".mxspec"
+
+
+@dataclass
+class StageContext:
+    """What a stage may read: the recipe, earlier stages' folders, the shared hash cache."""
+
+    recipe: Recipe
+    out: Path
+    hashes: HashCache
+    console: Console = field(default_factory=lambda: Console(stderr=True))
+
+    def stage_dir(self, name: str) -> Path:
+        return self.out / name
+
+
+class Stage(Protocol):
+    """One step of the pipeline. Implementations live one per module in `pipeline/`."""
+
+    name: str
+    version: int  # bump when the stage's outputs change for the same inputs
+    sections: tuple[str, ...]  # recipe sections the outputs depend on
+    requires: tuple[str, ...]  # earlier stages whose outputs are inputs
+    tools: tuple[str, ...]  # packages whose version changes the outputs
+
+    def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        """Files or folders outside OUT whose content the outputs depend on."""
+        ...
+
+    def run(self, ctx: StageContext, workdir: Path) -> None:
+        """Write the stage's outputs into `workdir` (an empty folder)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    skipped: bool
+    path: Path
+    manifest: dict
+
+
+def run_stages(
+    recipe: Recipe,
+    out: Path,
+    stages: Sequence[Stage],
+    *,
+    force: Sequence[str] = (),
+    console: Console | None = None,
+) -> list[StageResult]:
+    """Run `stages` in order into `out`, resuming: a stage whose manifest matches is skipped."""
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    console = console or Console(stderr=True)
+    with _exclusive(out):
+        sweep_partials(out)
+        hashes = HashCache(out / STATE_DIR / "hash-cache.json")
+        ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console)
+        results: list[StageResult] = []
+        try:
+            for stage in stages:
+                results.append(_run_one(stage, ctx, force=stage.name in force))
+        finally:
+            hashes.save()
+    return results
+
+
+def _run_one(stage: Stage, ctx: StageContext, *, force: bool) -> StageResult:
+    final = ctx.stage_dir(stage.name)
+    inputs = _input_hashes(stage, ctx)
+    fingerprint = _fingerprint(stage, ctx.recipe, inputs)
+    previous = read_manifest(final)
+    if not force and previous and previous.get("fingerprint") == fingerprint and _outputs_intact(final, previous, ctx):
+        ctx.console.print(f"[green]✓[/] {stage.name}: up to date (skipped)")
+        return StageResult(stage.name, True, final, previous)
+
+    ctx.console.print(f"[bold]→ {stage.name}[/]")
+    started = time.time()
+    with atomic_directory(final) as workdir:
+        stage.run(ctx, workdir)
+        outputs = ctx.hashes.tree(workdir)
+        outputs.pop(MANIFEST, None)
+        manifest = {
+            "schema": MANIFEST_SCHEMA,
+            "stage": stage.name,
+            "stage_version": stage.version,
+            "fingerprint": fingerprint,
+            "recipe_name": ctx.recipe.name,
+            "recipe_sha256": ctx.recipe.sha256,
+            "config_sha256": ctx.recipe.section_hash(*stage.sections),
+            "inputs": inputs,
+            "versions": tool_versions(),
+            "outputs": outputs,
+            "started_at": _iso(started),
+            "finished_at": _iso(time.time()),
+            "duration_s": round(time.time() - started, 3),
+        }
+        atomic_write_text(workdir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    ctx.console.print(f"[green]✓[/] {stage.name}: done in {manifest['duration_s']:.1f} s")
+    return StageResult(stage.name, False, final, manifest)
+
+
+def read_manifest(stage_dir: Path) -> dict | None:
+    try:
+        manifest = json.loads((Path(stage_dir) / MANIFEST).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+    return manifest if manifest.get("schema") == MANIFEST_SCHEMA else None
+
+
+def _input_hashes(stage: Stage, ctx: StageContext) -> dict[str, str]:
+    inputs: dict[str, str] = {}
+    for name in stage.requires:
+        manifest = read_manifest(ctx.stage_dir(name))
+        if manifest is None:
+            raise BadInputError(f"stage '{stage.name}' needs the outputs of '{name}' in {ctx.out}; run it first")
+        inputs[f"stage:{name}"] = digest_of(manifest["outputs"])
+    for name, path in stage.external_inputs(ctx).items():
+        path = Path(path)
+        if path.is_dir():
+            inputs[name] = digest_of(ctx.hashes.tree(path))
+        elif path.is_file():
+            inputs[name] = ctx.hashes.file(path)
+        else:
+            raise BadInputError(f"stage '{stage.name}': input '{name}' not found at {path}")
+    return inputs
+
+
+def _fingerprint(stage: Stage, recipe: Recipe, inputs: dict[str, str]) -> str:
+    versions = tool_versions()
+    key = {
+        "stage": stage.name,
+        "stage_version": stage.version,
+        "mxspec": versions["mxspec"],
+        "config": recipe.section_hash(*stage.sections),
+        "inputs": inputs,
+        "tools": {name: versions.get(name) for name in stage.tools},
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _outputs_intact(stage_dir: Path, manifest: dict, ctx: StageContext) -> bool:
+    for name, sha in manifest.get("outputs", {}).items():
+        path = stage_dir / name
+        if not path.is_file() or ctx.hashes.file(path) != sha:
+            ctx.console.print(f"[yellow]![/] {manifest['stage']}: {name} changed or missing; redoing the stage")
+            return False
+    return True
+
+
+@contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """One run per output folder at a time; the lock dies with the process, so a kill never wedges it."""
+    state = out / STATE_DIR
+    state.mkdir(parents=True, exist_ok=True)
+    with open(state / "lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInputError(f"{out} is in use by another mxspec run; wait for it or pick another --out") from None
+        yield
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))

@@ -1,0 +1,44 @@
+"""Shared fixtures: paths of the models `make` builds, and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+REFERENCE_TARGET = ROOT / "models" / "smollm2-135m-instruct"
+REFERENCE_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def mxspec():
+    """Run the installed `mxspec` console script in a subprocess, as a user would."""
+
+    def run(*args: str, env: dict | None = None, timeout: float = 600) -> CliResult:
+        exe = Path(sys.executable).with_name("mxspec")
+        proc = subprocess.run(
+            [str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "COLUMNS": "200", **(env or {})},
+        )
+        return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+    return run
+
+
+@pytest.fixture
+def reference_target() -> Path:
+    assert (REFERENCE_TARGET / "config.json").is_file(), "reference target missing: run `make install`"
+    return REFERENCE_TARGET

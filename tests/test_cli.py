@@ -1,0 +1,52 @@
+"""The `mxspec` command line as a user meets it: exit codes and one-line errors, no tracebacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import RECIPES
+
+
+def test_help_lists_every_command(mxspec):
+    result = mxspec("--help")
+    assert result.returncode == 0
+    for command in ("recipe", "quantize", "pair", "validate", "gate", "publish", "run"):
+        assert command in result.stdout
+
+
+def test_recipe_check_accepts_the_27b_recipe(mxspec):
+    result = mxspec("recipe", "check", RECIPES / "qwen3.5-27b-mxfp4.toml")
+    assert result.returncode == 0, result.stderr
+    assert "Qwen/Qwen3.5-27B@fc05daec18b0a78c049392ed2e771dde82bdf654" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (("revision = ", "revison = "), "target.revison"),  # typo'd key
+        (("num_prompts = 128", "num_prompts = 12.5"), "validation.num_prompts"),  # wrong type
+        (('scheme = "mxfp4"', 'scheme = "nvfp4"'), "quantization.scheme"),  # unknown scheme
+    ],
+)
+def test_bad_recipe_exits_2_with_one_line(mxspec, tmp_path, edit, key):
+    text = (RECIPES / "qwen3.5-27b-mxfp4.toml").read_text().replace(*edit, 1)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    result = mxspec("recipe", "check", bad)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"'{key}'" in lines[0] and "Traceback" not in result.stderr + result.stdout
+
+
+def test_missing_recipe_exits_2(mxspec, tmp_path):
+    result = mxspec("run", tmp_path / "missing.toml", "--out", tmp_path / "out")
+    assert result.returncode == 2 and "recipe not found" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command, issue", [("quantize", 4), ("pair", 5), ("validate", 5), ("publish", 7)])
+def test_stages_not_landed_say_so(mxspec, tmp_path, command, issue):
+    result = mxspec(command, RECIPES / "reference-cpu.toml", "--out", tmp_path)
+    assert result.returncode == 3
+    assert f"issue {issue}" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,112 @@
+"""Recipes: every shipped recipe validates; every mistake is one line naming the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import RecipeError
+from pipeline.recipe import load_recipe
+from tests.conftest import RECIPES
+
+MINIMAL = """
+name = "t"
+[target]
+path = "target"
+[drafter]
+path = "drafter"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-27b-mxfp4", "qwen3.5-35b-a3b-mxfp4", "reference-cpu"])
+def test_shipped_recipes_validate(name):
+    recipe = load_recipe(RECIPES / f"{name}.toml")
+    assert recipe.name == name
+
+
+def test_study_recipes_encode_the_blog_matrix():
+    for name, target, drafter in [
+        ("qwen3.5-27b-mxfp4", "Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash"),
+        ("qwen3.5-35b-a3b-mxfp4", "Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+    ]:
+        recipe = load_recipe(RECIPES / f"{name}.toml")
+        assert (recipe.target.id, recipe.drafter.id) == (target, drafter)
+        assert recipe.target.pinned and recipe.drafter.pinned
+        v = recipe.validation
+        assert v.workloads == ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
+        assert (v.budgets, v.concurrency, v.num_prompts, v.max_tokens) == ([4, 8, 16], [1, 32], 128, 4096)
+        assert v.methods == ["ar", "mtp", "dflash"] and v.precisions == ["bf16", "mxfp4"]
+        assert recipe.serving.max_num_batched_tokens == 32768 and recipe.serving.tensor_parallel_size == 1
+    moe = load_recipe(RECIPES / "qwen3.5-35b-a3b-mxfp4.toml")
+    assert moe.serving.env == {"VLLM_ROCM_USE_AITER": "1"}
+
+
+def test_local_paths_resolve_against_the_recipe_folder(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL))
+    assert recipe.target.path == (tmp_path / "target").resolve()
+    assert recipe.drafter.path == (tmp_path / "drafter").resolve()
+
+
+def test_section_hash_changes_only_with_its_sections(tmp_path):
+    base = load_recipe(write(tmp_path, MINIMAL))
+    changed_gate = load_recipe(write(tmp_path, MINIMAL + "[gate]\nmax_position_gap = 0.2\n"))
+    assert base.section_hash("target", "quantization") == changed_gate.section_hash("target", "quantization")
+    assert base.section_hash("gate") != changed_gate.section_hash("gate")
+    assert base.sha256 != changed_gate.sha256
+
+
+@pytest.mark.parametrize(
+    "extra, key, words",
+    [
+        ("[quantization]\nschem = 'mxfp4'\n", "quantization.schem", "did you mean 'scheme'"),
+        ("[quantization]\nscheme = 'mxfp5'\n", "quantization.scheme", "mxfp4_weight_only"),
+        ("[validation]\nnum_prompts = 'many'\n", "validation.num_prompts", "integer"),
+        ("[validation]\nbudgets = [1]\n", "validation.budgets", "greater than or equal to 2"),
+        ("[validation]\nworkloads = ['gsm9k']\n", "validation.workloads", "gsm8k"),
+        ("[serving]\ngpu_memory_utilization = 1.5\n", "serving.gpu_memory_utilization", "less than or equal to 1"),
+        ("colour = 'red'\n", "colour", "known keys"),
+    ],
+)
+def test_each_mistake_is_one_line_naming_the_key(tmp_path, extra, key, words):
+    # Keys appended after a table header belong to that table in TOML; top-level extras go first.
+    text = extra + MINIMAL if not extra.startswith("[") else MINIMAL + extra
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, text))
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"'{key}'" in message and words in message
+    assert message.startswith(str(tmp_path / "recipe.toml") + ":")
+
+
+def test_error_points_at_the_line(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, MINIMAL + "[quantization]\nscheme = 'int8'\n"))
+    assert f"recipe.toml:{MINIMAL.count(chr(10)) + 2}:" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('name = "t"\n[drafter]\npath = "d"\n', "missing required key 'target'"),
+        (MINIMAL.replace('path = "target"', 'path = "target"\nid = "a/b"\nrevision = "x"'), "exactly one of"),
+        (MINIMAL.replace('path = "target"', 'id = "Qwen/Qwen3.5-27B"'), "pinned 'revision'"),
+        (MINIMAL.replace('path = "target"', 'id = "noslash"\nrevision = "x"'), "owner/name"),
+        ("name = [unclosed\n", "not valid TOML"),
+    ],
+)
+def test_structural_mistakes(tmp_path, text, words):
+    with pytest.raises(RecipeError, match=None) as info:
+        load_recipe(write(tmp_path, text))
+    assert words in str(info.value)
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe not found"):
+        load_recipe(tmp_path / "nope.toml")

