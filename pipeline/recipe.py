@@ -71,7 +71,7 @@ class Quantization(_Section):
 
 
 class Calibration(_Section):
-    dataset: Literal["shakespeare", "jargon", "file"] = "shakespeare"
+    dataset: Literal["shakespeare", "file"] = "shakespeare"
     path: Path | None = Field(None, description="text file, with dataset = 'file'")
     num_samples: Annotated[int, Field(ge=1)] = 32
     seq_len: Annotated[int, Field(ge=16)] = 512
