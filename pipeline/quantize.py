@@ -2,8 +2,8 @@
 
 Two execution modes, chosen from the checkpoint size and the machine's memory (recipe can force):
   - in_memory: transformers loads the model, Quark quantizes, freezes and exports it;
-  - file_to_file: Quark's `direct_quantize_checkpoint` goes shard by shard, so a 70 GB checkpoint
-    needs about one shard of memory.
+  - file_to_file: shard by shard and tensor by tensor with Quark's weight quantizer and a streaming
+    writer (`file_to_file`), so a 70 GB checkpoint needs about one tensor of memory.
 Before any work the exclusions are checked against the checkpoint's real layer names (see
 `exclusions`); after the export every quantized tensor is compared byte for byte with the project's
 own MXFP4 encoder (`mxfp4`), MoE layers must have packed weights for every routed expert, and
@@ -194,20 +194,11 @@ def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None
     )
 
 
-def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, template: str) -> None:
-    quark_torch = _quark()
-    # Quark's file-to-file pass treats every `X.weight` as a Linear, so convolutions (the GDN
-    # `conv1d`, shape [C, 1, K]) would be quantized too; vLLM expects them in bf16.
-    not_linear = sorted(
-        name.removesuffix(".weight") for name, (shape, _, _) in checkpoint.tensors.items()
-        if name.endswith(".weight") and len(shape) != 2
-    )
-    quant_config.exclude = list(quant_config.exclude) + not_linear
-    # Fused MoE experts [E, 2I, H] are split into per-expert tensors by the template's converters.
-    converters = getattr(quark_torch.LLMTemplate.get(template), "f2f_weight_converters", None)
-    quark_torch.ModelQuantizer(quant_config).direct_quantize_checkpoint(
-        str(checkpoint.folder), str(out), device="cpu", weight_converters=converters
-    )
+def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patterns: list[str]) -> None:
+    from pipeline.file_to_file import quantize_file_to_file
+
+    layers = checkpoint.linear_layers()
+    quantize_file_to_file(checkpoint.folder, out, quant_config, set(layers) - excluded_layers(layers, patterns))
 
 
 def _carry_over(source: Checkpoint, out: Path) -> int:
@@ -354,7 +345,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
         if mode == "in_memory":
             _quantize_in_memory(checkpoint, out, quant_config)
         else:
-            _quantize_file_to_file(checkpoint, out, quant_config, template)
+            _quantize_file_to_file(checkpoint, out, quant_config, patterns)
     except (BadInputError, ExternalError):
         raise
     except Exception as exc:

@@ -1,0 +1,152 @@
+"""File-to-file MXFP4 quantization that holds one tensor at a time, not one shard.
+
+Quark's own file-to-file flow (`ModelQuantizer.direct_quantize_checkpoint`) loads a whole shard,
+quantizes it and saves it: peak memory is a shard plus its output. Here each input shard is read
+tensor by tensor from its memory map and the output shard is written as a stream: its safetensors
+header is computed up front from the input header (MXFP4 shapes are known: `[out, in/2]` packed
+codes and `[out, in/32]` e8m0 scales), then each tensor's bytes are appended as soon as Quark's
+weight quantizer has produced them. The quantization itself is Quark's (the same per-weight routine
+its file-to-file flow calls), and the config.json is written by Quark's own exporter, so both flows
+produce the same bytes; the tests check that.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+from pipeline.mxfp4 import GROUP_SIZE
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
+_TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8",
+                torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL"}
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file whose tensor list is known in advance, one tensor at a time."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
+        self.path = Path(path)
+        self.expected = [(name, dtype, shape) for name, dtype, shape in entries]
+        header: dict = {"__metadata__": metadata or {"format": "pt"}}
+        offset = 0
+        for name, dtype, shape in self.expected:
+            size = _DTYPE_BYTES[dtype]
+            for dim in shape:
+                size *= dim
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.handle = open(self.path, "wb")
+        self.handle.write(struct.pack("<Q", len(raw)) + raw)
+        self.position = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected_name, dtype, shape = self.expected[self.position]
+        got = (name, _TORCH_NAMES[tensor.dtype], tuple(tensor.shape))
+        if got != (expected_name, dtype, tuple(shape)):
+            raise RuntimeError(f"streaming writer expected {(expected_name, dtype, tuple(shape))}, got {got}")
+        self.handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self.position += 1
+
+    def close(self) -> None:
+        self.handle.close()
+        if self.position != len(self.expected):
+            raise RuntimeError(f"{self.path}: wrote {self.position} of {len(self.expected)} tensors")
+
+
+def _plan_shard(header: dict[str, tuple[tuple[int, ...], str]], order: list[str], quantized: set[str]):
+    """(output entries, work items) for one shard. A work item is (source name, expert, kind, out name)."""
+    entries, work = [], []
+
+    def add_weight(out_name: str, shape: tuple[int, ...], dtype: str, source: str, expert, kind) -> None:
+        module = out_name.removesuffix(".weight")
+        if module in quantized:
+            rows, cols = shape
+            entries.append((out_name, "U8", (rows, cols // 2)))
+            entries.append((out_name + "_scale", "U8", (rows, cols // GROUP_SIZE)))
+        else:
+            entries.append((out_name, dtype, shape))
+        work.append((source, expert, kind, out_name))
+
+    for name in order:
+        shape, dtype = header[name]
+        fused = _FUSED_EXPERTS.match(name)
+        if fused and len(shape) == 3:
+            experts = shape[0]
+            per_expert = [(f"{fused['prefix']}.{e}.{k}.weight", e, k) for e in range(experts)
+                          for k in (("gate_proj", "up_proj") if fused["kind"] == "gate_up_proj" else ("down_proj",))]
+            if not any(out.removesuffix(".weight") in quantized for out, _, _ in per_expert):
+                entries.append((name, dtype, shape))  # an excluded MoE block keeps its fused layout
+                work.append((name, None, None, name))
+                continue
+            rows = shape[1] // 2 if fused["kind"] == "gate_up_proj" else shape[1]
+            for out_name, e, kind in per_expert:
+                add_weight(out_name, (rows, shape[2]), dtype, name, e, kind)
+        elif name.endswith(".weight") and len(shape) == 2:
+            add_weight(name, shape, dtype, name, None, None)
+        else:
+            entries.append((name, dtype, shape))
+            work.append((name, None, None, name))
+    return entries, work
+
+
+def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modules: set[str]) -> dict[str, str]:
+    """Quantize every shard of `source` into `out`; returns the weight map. Peak memory: ~one tensor."""
+    from safetensors import safe_open
+
+    from quark.torch.quantization.file2file_quantization import (
+        _export_quant_config,
+        _single_stage_quantize_weight,
+    )
+
+    weight_config = quant_config.global_quant_config.weight
+    index_path = source / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists() \
+        else sorted(p.name for p in source.glob("*.safetensors"))
+    weight_map: dict[str, str] = {}
+    for shard in shards:
+        with safe_open(source / shard, framework="pt") as handle:
+            header = {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+                      for name in handle.keys()}
+            order = sorted(header)  # deterministic output order
+            entries, work = _plan_shard(header, order, quantized_modules)
+            writer = StreamingSafetensorsWriter(out / shard, entries)
+            cached_name, cached = None, None  # a fused expert tensor feeds many work items
+            for source_name, expert, kind, out_name in work:
+                if source_name != cached_name:
+                    cached_name, cached = source_name, handle.get_tensor(source_name)
+                tensor = cached
+                if expert is not None:
+                    tensor = tensor[expert]
+                    if kind in ("gate_proj", "up_proj"):
+                        tensor = tensor.chunk(2, dim=0)[0 if kind == "gate_proj" else 1]
+                    tensor = tensor.contiguous()
+                if out_name.removesuffix(".weight") in quantized_modules:
+                    produced: dict[str, torch.Tensor] = {}
+                    _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
+                                                  weight_config, produced, shard)
+                    writer.write(out_name, produced[out_name])
+                    writer.write(out_name + "_scale", produced[out_name + "_scale"])
+                    weight_map[out_name + "_scale"] = shard
+                else:
+                    writer.write(out_name, tensor)
+                weight_map[out_name] = shard
+            writer.close()
+            cached = None
+    for path in source.iterdir():
+        if path.is_file() and path.suffix in {".json", ".jinja", ".txt", ".model", ".py", ".md", ".tiktoken"} \
+                and path.name not in {"config.json", "model.safetensors.index.json"}:
+            shutil.copy2(path, out / path.name)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
+    )
+    _export_quant_config(json.loads((source / "config.json").read_text()), quant_config, str(out))
+    return weight_map
