@@ -220,23 +220,3 @@ def parameter_count(name: str) -> int:
             count *= dim
         total += count
     return total
-
-
-def drafter_target_mismatches(drafter: dict[str, Any], target: dict[str, Any]) -> list[str]:
-    """Why a DFlash drafter config cannot pair with a target config (empty list: it can)."""
-    text = text_config(target)
-    dflash = drafter["dflash_config"]
-    problems = []
-    if drafter["hidden_size"] != text["hidden_size"]:
-        problems.append(f"hidden_size {drafter['hidden_size']} != target {text['hidden_size']}")
-    if drafter["vocab_size"] != text["vocab_size"]:
-        problems.append(f"vocab_size {drafter['vocab_size']} != target {text['vocab_size']}")
-    layers = text["num_hidden_layers"]
-    if drafter.get("num_target_layers", layers) != layers:
-        problems.append(f"num_target_layers {drafter['num_target_layers']} != target {layers}")
-    bad = [i for i in dflash["target_layer_ids"] if not 0 <= i < layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} outside [0, {layers})")
-    if not 0 <= dflash["mask_token_id"] < text["vocab_size"]:
-        problems.append(f"mask_token_id {dflash['mask_token_id']} outside the vocabulary")
-    return problems

@@ -126,7 +126,10 @@ def quantize(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 @_guarded
 def pair(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     """Check the drafter fits the target and is byte-for-byte unchanged; write the pair manifest."""
-    _pending("pair")
+    from pipeline.stages import run_pipeline
+
+    run_pipeline(load_recipe(recipe), out, until="pair")
+    err.print(f"[green]paired[/] -> {out / 'pair' / 'pair.json'} (launch commands inside)")
 
 
 @app.command()

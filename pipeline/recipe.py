@@ -38,6 +38,9 @@ class ModelRef(_Section):
     id: str | None = Field(None, description="Hub repo id, e.g. 'Qwen/Qwen3.5-27B'")
     revision: str | None = Field(None, description="Hub revision; pin a 40-hex commit")
     path: Path | None = Field(None, description="local checkpoint directory (relative to the recipe)")
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        None, description="digest of all files (`mxspec` prints it); pins a local model's exact bytes"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelRef:

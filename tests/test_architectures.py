@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline import architectures as arch
+from pipeline.pair import drafter_target_mismatches
 from pipeline.dflash import DFlashConfig, DFlashDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +199,7 @@ def test_vllm_fused_groups_are_complete(name):
 def test_drafter_config_consistent_with_target(target):
     drafter = arch.load_config(arch.DRAFTERS[target])
     config = arch.load_config(target)
-    assert arch.drafter_target_mismatches(drafter, config) == []
+    assert drafter_target_mismatches(drafter, config) == []
     text = arch.text_config(config)
     cfg = DFlashConfig.from_dict(drafter)
     assert cfg.hidden_size == text["hidden_size"]
@@ -211,7 +212,7 @@ def test_drafter_config_consistent_with_target(target):
 def test_drafter_mismatches_are_reported():
     drafter = arch.load_config("qwen3.5-35b-a3b-dflash")
     bad = {**drafter, "hidden_size": 5120, "dflash_config": {"mask_token_id": 248320, "target_layer_ids": [1, 40]}}
-    problems = arch.drafter_target_mismatches(bad, arch.load_config("qwen3.5-35b-a3b"))
+    problems = drafter_target_mismatches(bad, arch.load_config("qwen3.5-35b-a3b"))
     assert len(problems) == 3 and any("hidden_size" in p for p in problems)
 
 
@@ -308,7 +309,7 @@ def test_tiny_drafter_matches_its_target(tiny, name):
     drafter_path = tiny / f"{name}-dflash"
     drafter_cfg = json.loads((drafter_path / "config.json").read_text())
     assert drafter_cfg["architectures"] == ["DFlashDraftModel"]
-    assert arch.drafter_target_mismatches(drafter_cfg, target) == []
+    assert drafter_target_mismatches(drafter_cfg, target) == []
     tokenizer = AutoTokenizer.from_pretrained(tiny / name)
     assert len(tokenizer) == arch.text_config(target)["vocab_size"]
     assert tokenizer.convert_ids_to_tokens(drafter_cfg["dflash_config"]["mask_token_id"]) == "<|dflash_mask|>"

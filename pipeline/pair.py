@@ -1,0 +1,161 @@
+"""Pair stage: prove the drafter fits the target and is byte-for-byte the drafter that was named.
+
+Checks, each one clear error, before any expensive validation: the drafter is a DFlash checkpoint;
+hidden size and vocabulary match the target (tokenizer files hashed where the drafter ships any);
+every `target_layer_ids` entry is a target layer; the mask token is in the vocabulary; the block size
+covers the recipe's budgets; the MXFP4 target keeps the bf16 target's tokenizer. Then the drafter's
+files are hashed again and compared with their source: the recipe's pinned digest for a local
+drafter, the Hub's content hashes (LFS blob names) for a Hub snapshot. The pair manifest names both
+targets, the drafter, revisions and hashes, and the exact vLLM launch commands.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.errors import BadInputError
+from pipeline.hashing import HashCache, digest_of, list_files
+from pipeline.recipe import Recipe
+from pipeline.resolve import ResolvedModel, read_resolved
+from pipeline.runner import StageContext
+
+PAIR_FILE = "pair.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "special_tokens_map.json")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def drafter_target_mismatches(drafter: dict, target: dict) -> list[str]:
+    """Why a DFlash drafter config cannot pair with a target config (empty list: it can)."""
+    if "dflash_config" not in drafter:
+        return ["the drafter config has no dflash_config: not a DFlash drafter"]
+    text = text_config(target)
+    dflash = drafter["dflash_config"]
+    problems = []
+    if drafter["hidden_size"] != text["hidden_size"]:
+        problems.append(f"hidden_size {drafter['hidden_size']} != target {text['hidden_size']}")
+    if drafter["vocab_size"] != text["vocab_size"]:
+        problems.append(f"vocab_size {drafter['vocab_size']} != target {text['vocab_size']}")
+    layers = text["num_hidden_layers"]
+    if drafter.get("num_target_layers", layers) != layers:
+        problems.append(f"num_target_layers {drafter['num_target_layers']} != target {layers}")
+    bad = [i for i in dflash["target_layer_ids"] if not 0 <= i < layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside [0, {layers})")
+    if not 0 <= dflash["mask_token_id"] < text["vocab_size"]:
+        problems.append(f"mask_token_id {dflash['mask_token_id']} outside the vocabulary")
+    return problems
+
+
+def _tokenizer_hashes(model: ResolvedModel) -> dict[str, str]:
+    return {name: sha for name, sha in model.files.items() if name in TOKENIZER_FILES}
+
+
+def check_compatibility(target: ResolvedModel, drafter: ResolvedModel, budgets: list[int]) -> None:
+    config = drafter.config
+    if "DFlashDraftModel" not in config.get("architectures", []):
+        raise BadInputError(f"drafter {drafter.ref}: architectures {config.get('architectures')} is not DFlashDraftModel")
+    problems = drafter_target_mismatches(config, target.config)
+    block_size = config.get("block_size") or config.get("dflash_config", {}).get("block_size")
+    if not isinstance(block_size, int) or not 2 <= block_size <= 64:
+        problems.append(f"block_size {block_size!r} is not a sane DFlash block (2..64)")
+    elif max(budgets) > block_size:
+        problems.append(f"the recipe's budget {max(budgets)} exceeds the drafter's block_size {block_size}")
+    shared = _tokenizer_hashes(drafter).keys() & _tokenizer_hashes(target).keys()
+    for name in sorted(shared):
+        if drafter.files[name] != target.files[name]:
+            problems.append(f"{name} differs between drafter and target (different tokenizers)")
+    if problems:
+        raise BadInputError(f"drafter {drafter.ref} does not pair with target {target.ref}: {problems[0]}"
+                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def check_unchanged(drafter: ResolvedModel, pinned_digest: str | None, hashes: HashCache) -> dict[str, str]:
+    """Hash the drafter's files now and compare with their source; returns the fresh hashes."""
+    folder = Path(drafter.path)
+    now = {name: hashes.file(folder / name) for name in list_files(folder)}
+    if now.keys() != drafter.files.keys():
+        added, removed = sorted(now.keys() - drafter.files.keys()), sorted(drafter.files.keys() - now.keys())
+        raise BadInputError(f"drafter {drafter.ref} changed since it was resolved: files added {added} removed {removed}")
+    for name, sha in now.items():
+        if sha != drafter.files[name]:
+            raise BadInputError(f"drafter file {name} changed since it was resolved (sha256 {drafter.files[name][:12]} -> {sha[:12]})")
+        blob = (folder / name).resolve().name
+        if drafter.source == "hub" and _SHA256.match(blob) and blob != sha:
+            raise BadInputError(f"drafter file {name} differs from the Hub's content hash {blob[:12]} (sha256 {sha[:12]}); "
+                                "delete it from the Hub cache and download again")
+    if pinned_digest is not None and digest_of(now) != pinned_digest:
+        raise BadInputError(
+            f"drafter {drafter.ref} is not the pinned drafter: digest {digest_of(now)[:16]}... != drafter.sha256 "
+            f"{pinned_digest[:16]}...; a byte of it changed (restore it, or pin the new digest if intended)"
+        )
+    return now
+
+
+@dataclass(frozen=True)
+class PairManifest:
+    target: dict
+    quantized_target: dict
+    drafter: dict
+    block_size: int
+    launch_commands: dict[str, str]
+
+
+def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, block_size: int) -> dict[str, str]:
+    from pipeline.serving.server import ServerSpec
+
+    serving = recipe.serving
+    commands = {}
+    for precision, model in (("bf16", target), ("mxfp4", quantized)):
+        spec = ServerSpec(
+            model=model, dtype=serving.dtype, max_model_len=serving.max_model_len,
+            tensor_parallel_size=serving.tensor_parallel_size, max_num_batched_tokens=serving.max_num_batched_tokens,
+            gpu_memory_utilization=serving.gpu_memory_utilization, env=dict(serving.env),
+            extra_args=tuple(serving.extra_args),
+            speculative={"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1},
+        )
+        commands[f"{precision}_dflash_block{block_size}"] = spec.launch_command()
+    return commands
+
+
+class PairStage:
+    name = "pair"
+    version = 1
+    sections = ("drafter", "validation", "serving")
+    requires = ("resolve", "quantize")
+    tools = ()
+
+    def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        return {}
+
+    def run(self, ctx: StageContext, workdir: Path) -> None:
+        from pipeline.quantize import CHECKPOINT
+
+        resolved = read_resolved(ctx.stage_dir("resolve"))
+        target, drafter = resolved["target"], resolved["drafter"]
+        check_compatibility(target, drafter, ctx.recipe.validation.budgets)
+        hashes = check_unchanged(drafter, ctx.recipe.drafter.sha256, ctx.hashes)
+        quantized_dir = ctx.stage_dir("quantize") / CHECKPOINT
+        quantized_files = {name: ctx.hashes.file(quantized_dir / name) for name in list_files(quantized_dir)}
+        for name in sorted(_tokenizer_hashes(target)):
+            if quantized_files.get(name) != target.files[name]:
+                raise BadInputError(f"the MXFP4 checkpoint's {name} differs from the target's; re-run quantize")
+        block_size = drafter.config.get("block_size") or drafter.config["dflash_config"]["block_size"]
+        drafter_ref = drafter.ref.split("@")[0] if drafter.source == "hub" else drafter.path
+        target_ref = target.ref.split("@")[0] if target.source == "hub" else target.path
+        manifest = PairManifest(
+            target={"ref": target.ref, "revision": target.revision, "digest": target.digest},
+            quantized_target={"path": str(quantized_dir), "digest": digest_of(quantized_files)},
+            drafter={"ref": drafter.ref, "revision": drafter.revision, "digest": digest_of(hashes), "files": hashes},
+            block_size=block_size,
+            launch_commands=launch_commands(ctx.recipe, target_ref, str(quantized_dir), drafter_ref, block_size),
+        )
+        (workdir / PAIR_FILE).write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+        ctx.console.print(f"  drafter {drafter.ref} pairs with {target.ref}; unchanged (digest {digest_of(hashes)[:12]})")
