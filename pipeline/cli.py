@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 gate failed, 2 bad input, 3 an external component failed.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import traceback
@@ -136,7 +137,11 @@ def pair(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 @_guarded
 def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     """Measure acceptance (bf16 vs MXFP4) and throughput; write OUT/validate/report.{json,md} and figures."""
-    _pending("validate")
+    from pipeline.stages import run_pipeline
+
+    results = run_pipeline(load_recipe(recipe), out, until="validate")
+    report = json.loads((results[-1].path / "report.json").read_text())
+    err.print(f"[green]validated[/]: verdict {report['verdict']} -> {out / 'validate' / 'report.md'}")
 
 
 @app.command()

@@ -1,0 +1,262 @@
+"""Validate stage (reference backend): does the unchanged drafter accept as well on the MXFP4 target?
+
+For each workload, precision (bf16 / MXFP4) and budget B, the reference backend measures DFlash
+acceptance in plain PyTorch over the HF target: the target's greedy continuation of each prompt is
+generated once, the target runs once over prompt + continuation for its hidden states, and
+`speculative.replay_acceptance` walks the steps a greedy speculative run takes (identical to the
+online loop, `speculative.generate_online`, which the tests keep as the cross-check). Drift rows
+compare the precisions with bootstrap intervals (`drift`). Outputs: report.json (schema below,
+documented in the README), report.md (the blog's tables) and PNG figures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.acceptance import AcceptanceStats
+from pipeline.dflash import DFlashDrafter
+from pipeline.drift import acceptance_drift, prompt_bootstrap_ci
+from pipeline.errors import BadInputError, NotYetImplementedError
+from pipeline.recipe import Recipe
+from pipeline.runner import StageContext
+from pipeline.speculative import TargetHooks, replay_acceptance, target_features
+from pipeline.workloads import Prompt, load_prompts
+
+REPORT_SCHEMA = "mxspec.validate/1"
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    precision: str
+    method: str
+    budget: int
+    mean_acceptance_length: float
+    per_position_acceptance: list[float]
+    num_prompts: int
+    num_steps: int
+    ci95: tuple[float, float]
+
+
+def load_target(path: Path, precision: str):
+    """The target as a float32 CPU model: bf16 weights upcast, or the MXFP4 export via Quark's importer
+    (so W+A checkpoints quantize activations as they would when served)."""
+    import transformers
+
+    if precision == "bf16":
+        config = json.loads((Path(path) / "config.json").read_text())
+        model_class = getattr(transformers, config["architectures"][0])
+        return model_class.from_pretrained(path, dtype=torch.float32).eval()
+    from pipeline.quantize import _quark
+
+    return _quark().import_model_from_safetensors(None, str(path), device="cpu").float().eval()
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@torch.no_grad()
+def greedy_continuations(target, tokenizer, prompts: list[Prompt], max_tokens: int, batch_size: int = 8) -> list[tuple[list[int], int]]:
+    """(prompt + greedy continuation up to EOS or max_tokens, prompt length) per prompt, in order."""
+    eos = tokenizer.eos_token_id
+    encoded = [chat_ids(tokenizer, p.text) for p in prompts]
+    results: list[tuple[list[int], int]] = [None] * len(prompts)  # type: ignore[list-item]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(encoded[i]) for i in rows)
+        ids = torch.full((len(rows), width), eos, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, width - len(encoded[i]) :] = torch.tensor(encoded[i])
+            mask[r, width - len(encoded[i]) :] = 1
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                              pad_token_id=eos)
+        for r, i in enumerate(rows):
+            generated = out[r, width:].tolist()
+            if eos in generated:
+                generated = generated[: generated.index(eos) + 1]
+            results[i] = (encoded[i] + generated, len(encoded[i]))
+    return results
+
+
+@torch.no_grad()
+def measure_acceptance(target, drafter: DFlashDrafter, tokenizer, prompts: list[Prompt], budgets: list[int],
+                       max_tokens: int, progress=None) -> dict[int, list[AcceptanceStats]]:
+    """Per budget, per prompt: acceptance of the drafter along the target's greedy continuation."""
+    hooks = TargetHooks.of(target)
+    per_budget: dict[int, list[AcceptanceStats]] = {b: [] for b in budgets}
+    for tokens, prompt_len in greedy_continuations(target, tokenizer, prompts, max_tokens):
+        sequence = torch.tensor(tokens)
+        hidden = target(sequence[None], output_hidden_states=True).hidden_states
+        features = target_features(hidden, drafter.cfg.target_layer_ids)[0].float()
+        for budget in budgets:
+            replay = replay_acceptance(drafter, hooks, sequence, features, prompt_len, budget)
+            per_budget[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
+        if progress:
+            progress()
+    return per_budget
+
+
+def pooled(stats: list[AcceptanceStats]) -> AcceptanceStats:
+    total = stats[0]
+    for more in stats[1:]:
+        total = total.merged(more)
+    return total
+
+
+def build_report(recipe: Recipe, per_prompt: dict, meta: dict) -> dict:
+    """report.json from per-prompt stats keyed (workload, precision, budget)."""
+    cells, drifts = [], []
+    for (workload, precision, budget), stats in sorted(per_prompt.items()):
+        total = pooled(stats)
+        cells.append(asdict(Cell(workload, precision, "dflash", budget, total.mean_acceptance_length,
+                                 total.per_position_acceptance, len(stats), total.num_drafts,
+                                 prompt_bootstrap_ci(stats, recipe.validation.seed))))
+    for workload in recipe.validation.workloads:
+        for budget in recipe.validation.budgets:
+            base, quant = per_prompt.get((workload, "bf16", budget)), per_prompt.get((workload, "mxfp4", budget))
+            if base and quant:
+                drift = acceptance_drift(base, quant, recipe.gate.max_acceptance_length_drop, recipe.validation.seed)
+                drifts.append({"workload": workload, "method": "dflash", "budget": budget, **asdict(drift)})
+    verdicts = {d["verdict"] for d in drifts}
+    overall = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
+    return {"schema": REPORT_SCHEMA, **meta, "cells": cells, "drift": drifts,
+            "verdict": overall if drifts else "not measured"}
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    cells = {(c["workload"], c["precision"], c["budget"]): c for c in report["cells"]}
+    budgets = sorted({c["budget"] for c in report["cells"]})
+    precisions = [p for p in ("bf16", "mxfp4") if any(c["precision"] == p for c in report["cells"])]
+    workloads = list(dict.fromkeys(c["workload"] for c in report["cells"]))
+    lines = [f"# Validation report: {report['recipe']}", "",
+             f"Backend `{report['backend']}`; target `{report['target']}`; drafter `{report['drafter']}` (unchanged); "
+             f"{report['settings']['num_prompts']} prompts per workload, max {report['settings']['max_tokens']} tokens, "
+             "greedy. Mean acceptance length counts the bonus token.", "",
+             "## Acceptance length by budget (DFlash)", "",
+             "| Workload | " + " | ".join(f"{p} block={b}" for b in budgets for p in precisions) + " |",
+             "|---|" + "---|" * (len(budgets) * len(precisions))]
+    for w in workloads:
+        row = [f"{cells[(w, p, b)]['mean_acceptance_length']:.3f}" if (w, p, b) in cells else "-" for b in budgets for p in precisions]
+        lines.append(f"| {w} | " + " | ".join(row) + " |")
+    if report["drift"]:
+        lines += ["", "## bf16 vs MXFP4 target (same drafter)", "",
+                  "| Workload | Block | bf16 | MXFP4 | Δ | 95% CI | max per-position gap | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for d in report["drift"]:
+            base, quant = cells[(d["workload"], "bf16", d["budget"])], cells[(d["workload"], "mxfp4", d["budget"])]
+            lines.append(
+                f"| {d['workload']} | {d['budget']} | {base['mean_acceptance_length']:.3f} | "
+                f"{quant['mean_acceptance_length']:.3f} | {d['delta']:+.3f} | [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] | "
+                f"{d['max_position_gap']:.3f} | **{d['verdict']}** |")
+        lines += ["", f"Overall verdict: **{report['verdict']}** (tolerated drop {report['settings']['max_drop']}).",
+                  "", "![acceptance vs budget](acceptance_vs_budget.png)", "",
+                  "![per-position acceptance](per_position_acceptance.png)"]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())), ""]
+    path.write_text("\n".join(lines))
+
+
+def write_figures(report: dict, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = report["cells"]
+    workloads = list(dict.fromkeys(c["workload"] for c in cells))
+    colors = {w: plt.get_cmap("tab10")(i) for i, w in enumerate(workloads)}
+    styles = {"bf16": "-", "mxfp4": "--"}
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for w in workloads:
+        for precision, style in styles.items():
+            points = sorted((c["budget"], c["mean_acceptance_length"]) for c in cells
+                            if c["workload"] == w and c["precision"] == precision)
+            if points:
+                ax.plot(*zip(*points), style, marker="o", color=colors[w], label=f"{w} {precision}")
+    ax.set(xlabel="budget (DFlash block size)", ylabel="mean acceptance length", title="Acceptance vs budget")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(folder / "acceptance_vs_budget.png", dpi=120)
+    plt.close(fig)
+
+    budget = max(c["budget"] for c in cells)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c in cells:
+        if c["budget"] == budget:
+            positions = range(1, len(c["per_position_acceptance"]) + 1)
+            ax.plot(positions, c["per_position_acceptance"], styles[c["precision"]], color=colors[c["workload"]],
+                    label=f"{c['workload']} {c['precision']}")
+    ax.set(xlabel="draft position i", ylabel="P(accept >= i)", ylim=(0, 1),
+           title=f"Per-position acceptance, block {budget} (solid bf16, dashed MXFP4)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(folder / "per_position_acceptance.png", dpi=120)
+    plt.close(fig)
+
+
+def validate_reference(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, console=None) -> dict:
+    """Run the reference backend over the recipe's matrix; return the report dict."""
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    from pipeline.versions import tool_versions
+
+    v = recipe.validation
+    if "dflash" not in v.methods:
+        raise BadInputError("[validation] methods: the reference backend measures 'dflash'; add it")
+    drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    prompts = {w: load_prompts(w, v.num_prompts, v.seed) for w in v.workloads}
+    paths = {"bf16": target_path, "mxfp4": quantized_path}
+    per_prompt: dict = {}
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task("reference acceptance", total=len(v.precisions) * len(v.workloads) * v.num_prompts)
+        for precision in v.precisions:
+            target = load_target(paths[precision], precision)
+            for workload, items in prompts.items():
+                stats = measure_acceptance(target, drafter, tokenizer, items, v.budgets, v.max_tokens,
+                                           progress=lambda: progress.advance(task))
+                for budget, per in stats.items():
+                    per_prompt[(workload, precision, budget)] = per
+            del target
+    meta = {"recipe": recipe.name, "backend": "reference", "target": str(target_path), "drafter": str(drafter_path),
+            "settings": {"num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed,
+                         "budgets": v.budgets, "max_drop": recipe.gate.max_acceptance_length_drop},
+            "versions": tool_versions()}
+    return build_report(recipe, per_prompt, meta)
+
+
+class ValidateStage:
+    name = "validate"
+    version = 1
+    sections = ("validation", "gate")
+    requires = ("resolve", "quantize", "pair")
+    tools = ("torch", "transformers", "amd-quark")
+
+    def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        return {}
+
+    def run(self, ctx: StageContext, workdir: Path) -> None:
+        from pipeline.quantize import CHECKPOINT
+        from pipeline.resolve import read_resolved
+
+        if "reference" not in ctx.recipe.validation.backends:
+            raise NotYetImplementedError("the vLLM validation backend has not landed yet (issue 6); use backends = ['reference']")
+        resolved = read_resolved(ctx.stage_dir("resolve"))
+        report = validate_reference(ctx.recipe, Path(resolved["target"].path), ctx.stage_dir("quantize") / CHECKPOINT,
+                                    Path(resolved["drafter"].path), ctx.console)
+        (workdir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_markdown(report, workdir / "report.md")
+        if report["cells"]:
+            write_figures(report, workdir)
+        ctx.console.print(f"  verdict: {report['verdict']} ({len(report['drift'])} drift rows)")

@@ -1,0 +1,48 @@
+"""Drift statistics: the delta, its bootstrap interval over prompts, and the three-way verdict."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline.acceptance import AcceptanceStats
+from pipeline.drift import acceptance_drift
+
+
+def prompts(mean_accept: float, n: int, seed: int, block: int = 8, steps: int = 40) -> list[AcceptanceStats]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        lengths = [min(block, 1 + sum(rng.random() < mean_accept for _ in range(block - 1))) for _ in range(steps)]
+        out.append(AcceptanceStats.from_lengths(lengths, block))
+    return out
+
+
+def test_identical_runs_pass_with_a_zero_interval():
+    same = prompts(0.5, 20, seed=1)
+    drift = acceptance_drift(same, same, max_drop=0.2)
+    assert drift.delta == 0 and drift.ci95 == (0.0, 0.0) and drift.verdict == "pass"
+    assert drift.max_position_gap == 0
+
+
+def test_a_large_drop_on_many_prompts_fails():
+    drift = acceptance_drift(prompts(0.7, 60, seed=1), prompts(0.3, 60, seed=2), max_drop=0.2)
+    assert drift.delta < -1 and drift.ci95[1] < -0.2 and drift.verdict == "fail"
+    assert drift.max_position_gap > 0.2
+
+
+def test_few_noisy_prompts_near_the_threshold_are_inconclusive():
+    drift = acceptance_drift(prompts(0.55, 4, seed=3, steps=5), prompts(0.5, 4, seed=40, steps=5), max_drop=0.1)
+    assert drift.ci95[0] < -0.1 < drift.ci95[1] and drift.verdict == "inconclusive"
+
+
+def test_the_interval_contains_the_estimate_and_is_seeded():
+    a, b = prompts(0.6, 30, seed=5), prompts(0.55, 30, seed=6)
+    first, second = acceptance_drift(a, b, 0.5, seed=0), acceptance_drift(a, b, 0.5, seed=0)
+    assert first == second and first.ci95[0] <= first.delta <= first.ci95[1]
+
+
+def test_lists_must_pair_up():
+    with pytest.raises(ValueError):
+        acceptance_drift(prompts(0.5, 3, 1), prompts(0.5, 2, 1), 0.2)
