@@ -1,0 +1,54 @@
+"""Validate stage (reference backend) end to end on a tiny hybrid Qwen3.5 pair: report, tables, figures,
+and the acceptance invariants: 1 <= AL <= B, per-position curve non-increasing, AL = 1 + sum of rates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.recipe import load_recipe
+from pipeline.stages import run_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, tiny):
+    folder = tmp_path_factory.mktemp("validate")
+    (folder / "recipe.toml").write_text(
+        f'name = "tiny-validate"\n[target]\npath = "{tiny / "qwen3.5-tiny"}"\n'
+        f'[drafter]\npath = "{tiny / "qwen3.5-tiny-dflash"}"\n'
+        "[quantization]\nmode = 'in_memory'\n"
+        "[validation]\nworkloads = ['gsm8k', 'humaneval']\nbudgets = [4, 8]\nmethods = ['ar', 'dflash']\n"
+        "backends = ['reference']\nnum_prompts = 3\nmax_tokens = 12\n"
+    )
+    run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out")
+    return folder / "out" / "validate"
+
+
+def test_report_has_every_cell_and_drift_row(report):
+    data = json.loads((report / "report.json").read_text())
+    assert data["schema"] == "mxspec.validate/1" and data["backend"] == "reference"
+    keys = {(c["workload"], c["precision"], c["budget"]) for c in data["cells"]}
+    assert keys == {(w, p, b) for w in ("gsm8k", "humaneval") for p in ("bf16", "mxfp4") for b in (4, 8)}
+    assert {(d["workload"], d["budget"]) for d in data["drift"]} == {(w, b) for w in ("gsm8k", "humaneval") for b in (4, 8)}
+    assert data["verdict"] in {"pass", "fail", "inconclusive"}
+    assert "torch" in data["versions"] and "amd-quark" in data["versions"]
+
+
+def test_acceptance_invariants(report):
+    for cell in json.loads((report / "report.json").read_text())["cells"]:
+        al, curve, budget = cell["mean_acceptance_length"], cell["per_position_acceptance"], cell["budget"]
+        assert 1 <= al <= budget and len(curve) == budget - 1
+        assert all(a >= b for a, b in zip(curve, curve[1:]))
+        assert al == pytest.approx(1 + sum(curve))
+        assert cell["num_prompts"] == 3 and cell["num_steps"] > 0
+        assert cell["ci95"][0] <= al <= cell["ci95"][1]
+
+
+def test_markdown_tables_and_figures(report):
+    text = (report / "report.md").read_text()
+    assert "| gsm8k |" in text and "bf16 vs MXFP4" in text and "Overall verdict" in text
+    for figure in ("acceptance_vs_budget.png", "per_position_acceptance.png"):
+        assert (report / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
