@@ -30,7 +30,7 @@ from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_conte
 from pipeline.speculative import TargetHooks, block_attention_mask, replay_acceptance, target_features
 from pipeline.workloads import all_prompts
 
-TRAIN_MIX = {"gsm8k": 400, "math500": 150, "mbpp": 120, "humaneval": 40, "mt-bench": 16}
+TRAIN_MIX = {"gsm8k": 224, "math500": 48, "mbpp": 64, "humaneval": 32, "mt-bench": 16}
 BLOCK_SIZES = (4, 8, 16)
 BLOCK_WEIGHTS = (0.25, 0.5, 0.25)
 GAMMA = {4: 2.0, 8: 4.0, 16: 7.0}
@@ -50,13 +50,26 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def generate_data(target, tokenizer, prompts, layer_ids, max_new_tokens: int, batch_size: int) -> list[dict]:
-    """Greedy responses with the target features of every position (one generate call per batch)."""
+def generate_data(target, tokenizer, prompts, layer_ids, max_new_tokens: int, batch_size: int, max_prompt_len: int) -> list[dict]:
+    """Greedy responses with the target features of every position, captured by forward hooks on
+    the layers `layer_ids` during generation (no second pass, no copy of the other layers)."""
     eos = tokenizer.eos_token_id
     encoded = sorted(((chat_ids(tokenizer, p.text), p) for p in prompts), key=lambda item: len(item[0]))
-    records = []
-    with progress() as bar:
-        task = bar.add_task("target responses", total=len(encoded))
+    encoded = [item for item in encoded if len(item[0]) <= max_prompt_len]
+    captured: list[list[torch.Tensor]] = []  # per forward call: one tensor per hooked layer
+
+    def hook(index):
+        def store(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if index == 0:
+                captured.append([])
+            captured[-1].append(hidden.detach())
+        return store
+
+    layers = target.model.layers
+    handles = [layers[i].register_forward_hook(hook(k)) for k, i in enumerate(layer_ids)]
+    records, started = [], time.time()
+    try:
         for start in range(0, len(encoded), batch_size):
             batch = encoded[start : start + batch_size]
             width = max(len(ids) for ids, _ in batch)
@@ -65,24 +78,25 @@ def generate_data(target, tokenizer, prompts, layer_ids, max_new_tokens: int, ba
             for row, (ids, _) in enumerate(batch):
                 input_ids[row, width - len(ids) :] = torch.tensor(ids)
                 attention[row, width - len(ids) :] = 1
-            out = target.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
-                output_hidden_states=True, return_dict_in_generate=True, pad_token_id=eos,
-            )
-            prefill = target_features(out.hidden_states[0], layer_ids)  # [b, width, n*H]
-            steps = [target_features(h, layer_ids) for h in out.hidden_states[1:]]  # each [b, 1, n*H]
-            generated = out.sequences[:, width:]
+            captured.clear()
+            out = target.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=eos)
+            steps = [torch.cat(layer_outputs, dim=-1) for layer_outputs in captured]  # [b, t, n*H] per call
+            generated = out[:, width:]
             for row, (ids, prompt) in enumerate(batch):
                 response = generated[row].tolist()
                 if eos in response:
                     response = response[: response.index(eos) + 1]
-                feats = [prefill[row, width - len(ids) :]] + [step[row] for step in steps[: len(response) - 1]]
+                feats = [steps[0][row, width - len(ids) :]] + [step[row] for step in steps[1 : len(response)]]
                 records.append({
                     "workload": prompt.workload, "id": prompt.id, "prompt_len": len(ids),
                     "tokens": torch.tensor(ids + response, dtype=torch.int32),
                     "features": torch.cat(feats).to(torch.bfloat16),
                 })
-            bar.advance(task, len(batch))
+            print(f"responses: {len(records)}/{len(encoded)} ({time.time() - started:.0f} s)", flush=True)
+    finally:
+        for handle in handles:
+            handle.remove()
     return records
 
 
@@ -139,7 +153,10 @@ def train(drafter, hooks, records, steps: int, lr: float, seqs_per_step: int, ro
             schedule.step()
             history.append({"step": step, "block_size": block_size, "loss": total / max(count, 1)})
             recent = history[-50:]
-            bar.update(task, advance=1, description=f"training (loss {sum(h['loss'] for h in recent) / len(recent):.3f})")
+            mean = sum(h["loss"] for h in recent) / len(recent)
+            bar.update(task, advance=1, description=f"training (loss {mean:.3f})")
+            if step % 50 == 0:
+                print(f"step {step}/{steps} loss {mean:.3f}", flush=True)
     drafter.eval()
     return history
 
@@ -170,9 +187,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--heldout-from", type=int, default=64, help="train on prompts from this index of each order")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of TRAIN_MIX prompts to use")
-    parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--gen-batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--max-prompt-len", type=int, default=384, help="skip longer training prompts")
+    parser.add_argument("--gen-batch-size", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seqs-per-step", type=int, default=4)
     parser.add_argument("--rows-per-seq", type=int, default=64)
@@ -199,8 +217,10 @@ def main() -> None:
         data = torch.load(args.data_cache)
     else:
         data = {
-            "train": generate_data(target, tokenizer, train_prompts, layer_ids, args.max_new_tokens, args.gen_batch_size),
-            "eval": generate_data(target, tokenizer, eval_prompts, layer_ids, args.max_new_tokens, args.gen_batch_size),
+            "train": generate_data(target, tokenizer, train_prompts, layer_ids, args.max_new_tokens,
+                                   args.gen_batch_size, args.max_prompt_len),
+            "eval": generate_data(target, tokenizer, eval_prompts, layer_ids, args.max_new_tokens,
+                                  args.gen_batch_size, 10**9),
         }
         args.data_cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, args.data_cache)

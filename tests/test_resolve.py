@@ -71,11 +71,14 @@ def test_offline_and_not_cached_is_a_clear_error(tmp_path, monkeypatch):
     assert info.value.exit_code == 3
 
 
-def test_run_resolves_the_reference_pair_end_to_end(mxspec, tmp_path, reference_target):
-    out = tmp_path / "out"
-    first = mxspec("run", "recipes/reference-cpu.toml", "--out", out)
-    assert first.returncode == 0, first.stderr
-    resolved = json.loads((out / "resolve" / "resolved.json").read_text())
+def test_resolve_stage_records_the_reference_pair(tmp_path, reference_target):
+    from pipeline.recipe import load_recipe
+    from pipeline.stages import run_pipeline
+
+    recipe = load_recipe("recipes/reference-cpu.toml")
+    first = run_pipeline(recipe, tmp_path / "out", until="resolve")
+    resolved = json.loads((tmp_path / "out" / "resolve" / "resolved.json").read_text())
     assert resolved["target"]["files"]["model.safetensors"] == sha256_file(reference_target / "model.safetensors")
-    second = mxspec("run", "recipes/reference-cpu.toml", "--out", out)
-    assert second.returncode == 0 and "up to date" in second.stderr
+    assert resolved["drafter"]["source"] == "local" and "model.safetensors" in resolved["drafter"]["files"]
+    assert not first[0].skipped
+    assert run_pipeline(recipe, tmp_path / "out", until="resolve")[0].skipped
