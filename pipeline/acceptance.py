@@ -69,6 +69,15 @@ class AcceptanceStats:
             return [float("nan")] * self.num_speculative_tokens
         return [count / self.num_drafts for count in self.accepted_at_position]
 
+    @classmethod
+    def pooled(cls, stats: Iterable[AcceptanceStats]) -> AcceptanceStats:
+        """Counts of several runs (e.g. prompts) added up."""
+        stats = list(stats)
+        total = stats[0]
+        for more in stats[1:]:
+            total = total.merged(more)
+        return total
+
     def merged(self, other: AcceptanceStats) -> AcceptanceStats:
         assert self.num_speculative_tokens == other.num_speculative_tokens
         return AcceptanceStats(

@@ -42,7 +42,7 @@ DRAFTERS: dict[str, str] = {
 NAMES: tuple[str, ...] = (*TARGETS, *DRAFTERS.values())
 
 MTP_PREFIX = "mtp."
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _EMBEDDINGS = ("embed_tokens.weight", "pos_embed.weight")
 
 
@@ -147,7 +147,7 @@ def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         layer = _decoder_layer_class(text["model_type"])(text_cfg, full_idx)
     layer_shapes: dict[str, tuple[int, ...]] = {}
     for key, tensor in layer.state_dict().items():
-        fused = _FUSED_EXPERTS.match(key)
+        fused = FUSED_EXPERTS.match(key)
         if fused is None:
             layer_shapes[key] = tuple(tensor.shape)
             continue
@@ -197,7 +197,7 @@ def linear_layers_from_tensors(tensors: dict[str, tuple[int, ...]]) -> list[str]
     """
     names: list[str] = []
     for key, shape in tensors.items():
-        fused = _FUSED_EXPERTS.match(key)
+        fused = FUSED_EXPERTS.match(key)
         if fused is not None and len(shape) == 3:
             kinds = ("gate_proj", "up_proj") if fused["kind"] == "gate_up_proj" else ("down_proj",)
             names += [f"{fused['prefix']}.{e}.{kind}" for e in range(shape[0]) for kind in kinds]

@@ -31,6 +31,7 @@ class Drift:
 
 
 def _pooled_al(drafts: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """AcceptanceStats.mean_acceptance_length, vectorised over bootstrap draws."""
     return 1.0 + accepted.sum(-1) / np.maximum(drafts.sum(-1), 1)
 
 
@@ -49,7 +50,7 @@ def acceptance_drift(
     picks = rng.integers(0, len(bf16), size=(BOOTSTRAP_SAMPLES, len(bf16)))
     deltas = _pooled_al(quant_drafts[picks], quant_accepted[picks]) - _pooled_al(base_drafts[picks], base_accepted[picks])
     low, high = (float(x) for x in np.percentile(deltas, [2.5, 97.5]))
-    pooled_bf16, pooled_mxfp4 = _pool(bf16), _pool(mxfp4)
+    pooled_bf16, pooled_mxfp4 = AcceptanceStats.pooled(bf16), AcceptanceStats.pooled(mxfp4)
     gaps = [abs(a - b) for a, b in zip(pooled_mxfp4.per_position_acceptance, pooled_bf16.per_position_acceptance)]
     if low >= -max_drop:
         verdict = "pass"
@@ -58,13 +59,6 @@ def acceptance_drift(
     else:
         verdict = "inconclusive"
     return Drift(delta, (low, high), gaps, max(gaps), float(np.mean(gaps)), len(bf16), verdict)
-
-
-def _pool(stats: list[AcceptanceStats]) -> AcceptanceStats:
-    total = stats[0]
-    for more in stats[1:]:
-        total = total.merged(more)
-    return total
 
 
 def prompt_bootstrap_ci(stats: list[AcceptanceStats], seed: int = 0) -> tuple[float, float]:

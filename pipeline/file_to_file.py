@@ -13,16 +13,15 @@ produce the same bytes; the tests check that.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import struct
 from pathlib import Path
 
 import torch
 
+from pipeline.architectures import FUSED_EXPERTS
 from pipeline.mxfp4 import GROUP_SIZE
 
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
 _TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8",
                 torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL"}
@@ -78,7 +77,7 @@ def _plan_shard(header: dict[str, tuple[tuple[int, ...], str]], order: list[str]
 
     for name in order:
         shape, dtype = header[name]
-        fused = _FUSED_EXPERTS.match(name)
+        fused = FUSED_EXPERTS.match(name)
         if fused and len(shape) == 3:
             experts = shape[0]
             per_expert = [(f"{fused['prefix']}.{e}.{k}.weight", e, k) for e in range(experts)

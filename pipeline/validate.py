@@ -106,18 +106,11 @@ def measure_acceptance(target, drafter: DFlashDrafter, tokenizer, prompts: list[
     return per_budget
 
 
-def pooled(stats: list[AcceptanceStats]) -> AcceptanceStats:
-    total = stats[0]
-    for more in stats[1:]:
-        total = total.merged(more)
-    return total
-
-
 def build_report(recipe: Recipe, per_prompt: dict, meta: dict) -> dict:
     """report.json from per-prompt stats keyed (workload, precision, budget)."""
     cells, drifts = [], []
     for (workload, precision, budget), stats in sorted(per_prompt.items()):
-        total = pooled(stats)
+        total = AcceptanceStats.pooled(stats)
         cells.append(asdict(Cell(workload, precision, "dflash", budget, total.mean_acceptance_length,
                                  total.per_position_acceptance, len(stats), total.num_drafts,
                                  prompt_bootstrap_ci(stats, recipe.validation.seed))))

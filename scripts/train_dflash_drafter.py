@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.atomic import atomic_directory
 from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
 from pipeline.speculative import TargetHooks, block_attention_mask, replay_acceptance, target_features
+from pipeline.validate import chat_ids
 from pipeline.workloads import all_prompts
 
 TRAIN_MIX = {"gsm8k": 224, "math500": 48, "mbpp": 64, "humaneval": 32, "mt-bench": 16}
@@ -40,13 +41,6 @@ def progress() -> Progress:
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()
     )
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 @torch.no_grad()
