@@ -13,6 +13,7 @@ produce the same bytes; the tests check that.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -25,6 +26,41 @@ from pipeline.mxfp4 import GROUP_SIZE
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
 _TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8",
                 torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
+
+
+class ShardReader:
+    """Read one tensor of a safetensors file at a time with pread.
+
+    Not a memory map: mapped pages of the whole shard would count in the process's resident memory
+    as they are touched, which is exactly what file-to-file mode avoids.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + length
+        self.header = header
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def get(self, name: str) -> torch.Tensor:
+        begin, end = self.header[name]["data_offsets"]
+        buffer = bytearray(end - begin)
+        if os.preadv(self.fd, [buffer], self.data_start + begin) != len(buffer):
+            raise OSError(f"{self.path}: short read of {name}")
+        return torch.frombuffer(buffer, dtype=_TORCH_DTYPES[self.dtype(name)]).view(self.shape(name))
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class StreamingSafetensorsWriter:
@@ -99,8 +135,6 @@ def _plan_shard(header: dict[str, tuple[tuple[int, ...], str]], order: list[str]
 
 def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modules: set[str]) -> dict[str, str]:
     """Quantize every shard of `source` into `out`; returns the weight map. Peak memory: ~one tensor."""
-    from safetensors import safe_open
-
     from quark.torch.quantization.file2file_quantization import (
         _export_quant_config,
         _single_stage_quantize_weight,
@@ -112,16 +146,16 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
         else sorted(p.name for p in source.glob("*.safetensors"))
     weight_map: dict[str, str] = {}
     for shard in shards:
-        with safe_open(source / shard, framework="pt") as handle:
-            header = {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
-                      for name in handle.keys()}
+        handle = ShardReader(source / shard)
+        try:
+            header = {name: (handle.shape(name), handle.dtype(name)) for name in handle.header}
             order = sorted(header)  # deterministic output order
             entries, work = _plan_shard(header, order, quantized_modules)
             writer = StreamingSafetensorsWriter(out / shard, entries)
             cached_name, cached = None, None  # a fused expert tensor feeds many work items
             for source_name, expert, kind, out_name in work:
                 if source_name != cached_name:
-                    cached_name, cached = source_name, handle.get_tensor(source_name)
+                    cached_name, cached = source_name, handle.get(source_name)
                 tensor = cached
                 if expert is not None:
                     tensor = tensor[expert]
@@ -140,6 +174,8 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
                 weight_map[out_name] = shard
             writer.close()
             cached = None
+        finally:
+            handle.close()
     for path in source.iterdir():
         if path.is_file() and path.suffix in {".json", ".jinja", ".txt", ".model", ".py", ".md", ".tiktoken"} \
                 and path.name not in {"config.json", "model.safetensors.index.json"}:
