@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 def test_run_end_to_end_then_resume(mxspec, tmp_path, reference_target):
     text = (RECIPES / "reference-cpu.toml").read_text()
     text = text.replace('workloads = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]', 'workloads = ["gsm8k", "mbpp"]')
-    text = text.replace("budgets = [4, 8, 16]", "budgets = [4, 8]").replace("num_prompts = 8", "num_prompts = 2")
-    text = text.replace("max_tokens = 128", "max_tokens = 24")
+    text = text.replace("budgets = [4, 8, 16]", "budgets = [4, 8]").replace("num_prompts = 6", "num_prompts = 2")
+    text = text.replace("max_tokens = 96", "max_tokens = 24")
     text = text.replace('path = "../models/', f'path = "{RECIPES.parent}/models/')
     recipe = tmp_path / "small.toml"
     recipe.write_text(text)
