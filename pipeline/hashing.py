@@ -84,7 +84,3 @@ class HashCache:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path, json.dumps(self._entries))
-
-
-def total_size(root: Path) -> int:
-    return sum((root / name).stat().st_size for name in list_files(root))

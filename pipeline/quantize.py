@@ -62,10 +62,6 @@ class Checkpoint:
         return sum((self.folder / f).stat().st_size for f in {t[2] for t in self.tensors.values()})
 
     @property
-    def largest_shard_bytes(self) -> int:
-        return max((self.folder / f).stat().st_size for f in {t[2] for t in self.tensors.values()})
-
-    @property
     def is_moe(self) -> bool:
         return "moe" in self.model_type or any(".mlp.experts." in name for name in self.tensors)
 

@@ -144,9 +144,6 @@ class VllmServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def last_log_line(self) -> str:
         try:
             lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
