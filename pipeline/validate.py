@@ -53,7 +53,27 @@ def load_target(path: Path, precision: str):
         return model_class.from_pretrained(path, dtype=torch.float32).eval()
     from pipeline.quantize import _quark
 
-    return _quark().import_model_from_safetensors(None, str(path), device="cpu").float().eval()
+    model = _quark().import_model_from_safetensors(None, str(path), device="cpu").float().eval()
+    return decode_weights_once(model)
+
+
+@torch.no_grad()
+def decode_weights_once(model):
+    """Replace each Quark linear's packed MXFP4 weight by its dequantized value, decoded once by Quark.
+
+    Quark's importer keeps weights packed and unpacks them on every forward, which is most of the cost
+    of a CPU decode step; weights are static, so decoding them once gives identical outputs. Activation
+    quantizers (W+A schemes) are left in place and still run on every forward."""
+    for module in model.modules():
+        quantizer = getattr(module, "weight_quantizer", None)
+        if quantizer is None or not hasattr(module, "_get_qweight"):
+            continue
+        decoded = module._get_qweight(module.weight).float()
+        module.weight = torch.nn.Parameter(decoded, requires_grad=False)
+        module.weight_quantizer = None
+        if getattr(module, "_quant_dict", None):
+            module._quant_dict.pop("weight_quantizer", None)
+    return model
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -52,3 +52,20 @@ def test_markdown_tables_and_figures(report):
     assert "| gsm8k |" in text and "bf16 vs MXFP4" in text and "Overall verdict" in text
     for figure in ("acceptance_vs_budget.png", "per_position_acceptance.png"):
         assert (report / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mxfp4_target_decodes_weights_once_with_identical_logits(report):
+    """The validate loader decodes packed weights once; outputs equal Quark's per-forward unpacking."""
+    import torch
+
+    from pipeline.quantize import CHECKPOINT, _quark
+    from pipeline.validate import decode_weights_once
+
+    checkpoint = report.parent / "quantize" / CHECKPOINT
+    model = _quark().import_model_from_safetensors(None, str(checkpoint), device="cpu").float().eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        packed = model(tokens).logits
+        decoded = decode_weights_once(model)(tokens).logits
+    assert not any(getattr(m, "weight_quantizer", None) for m in model.modules())
+    assert torch.equal(packed, decoded)
