@@ -11,13 +11,13 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.errors import MxspecError, NotYetImplementedError
+from pipeline.errors import MxspecError
 from pipeline.recipe import Recipe, load_recipe
 
 app = typer.Typer(
@@ -47,6 +47,8 @@ def _guarded(command):
         except MxspecError as exc:
             err.print(f"[red]error:[/] {exc}", markup=True)
             raise typer.Exit(exc.exit_code) from None
+        except typer.Exit:  # a command's own exit code (e.g. gate: 1 on fail)
+            raise
         except KeyboardInterrupt:
             err.print("[red]interrupted[/]; run the same command again to resume")
             raise typer.Exit(130) from None
@@ -57,12 +59,6 @@ def _guarded(command):
             raise typer.Exit(3) from None
 
     return wrapper
-
-
-def _pending(command: str) -> None:
-    from pipeline.stages import PENDING
-
-    raise NotYetImplementedError(f"`mxspec {command}` has not landed yet (tracked in issue {PENDING[command]})")
 
 
 @recipe_app.command("check")
@@ -101,16 +97,21 @@ def _recipe_table(path: Path, recipe: Recipe) -> Table:
 def run(
     recipe: RecipeArg,
     out: OutOpt = Path("runs/latest"),
+    until: Annotated[Optional[str], typer.Option("--until", help="stop after this stage, e.g. gate (skip publishing)")] = None,
     force: Annotated[list[str], typer.Option("--force", help="redo this stage even if up to date (repeatable)")] = [],
 ) -> None:
-    """Run every stage in order into OUT, resuming: stages already done are skipped."""
-    from pipeline.stages import PENDING, run_pipeline
+    """Run every stage in order into OUT, resuming: stages already done are skipped.
 
-    results = run_pipeline(load_recipe(recipe), out, force=tuple(force))
+    Stages: resolve, quantize, pair, validate, gate, publish. Exits 1 when the gate does not pass
+    (nothing is published then)."""
+    from pipeline.gate import raise_unless_passed
+    from pipeline.stages import run_pipeline
+
+    results = run_pipeline(load_recipe(recipe), out, until=until, force=tuple(force))
     done = ", ".join(f"{r.name} ({'skipped' if r.skipped else 'ran'})" for r in results)
     err.print(f"[green]run complete[/] in {out}: {done}")
-    if PENDING:
-        err.print(f"not landed yet: {', '.join(PENDING)}")
+    if any(r.name == "gate" for r in results):
+        raise_unless_passed(out / "gate")
 
 
 @app.command()
@@ -146,16 +147,67 @@ def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 
 @app.command()
 @_guarded
-def gate(report: Annotated[Path, typer.Argument(help="validate report.json")]) -> None:
-    """Decide pass/fail/inconclusive from a validation report; exit 0 pass, 1 fail."""
-    _pending("gate")
+def gate(
+    report: Annotated[Path, typer.Argument(help="OUT/validate/report.json of a validate run", show_default=False)],
+    recipe: Annotated[Optional[Path], typer.Option("--recipe", "-r", help="take thresholds from this recipe "
+                                                   "(default: the gate thresholds recorded in the report)")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="folder for verdict.json, summary.md, junit.xml "
+                                                "(default: gate/ beside the report's folder)")] = None,
+) -> None:
+    """Decide pass/fail/inconclusive from a validation report. Exit 0 pass, 1 fail, 2 bad input.
+
+    A cell fails only when its 95% interval lies beyond the threshold; `on_inconclusive` in the recipe
+    decides what an undecided cell means. Writes a Markdown summary (for a CI job summary or PR comment)
+    and JUnit XML with one test case per (workload, budget)."""
+    from pipeline.atomic import atomic_directory
+    from pipeline.gate import ICON, gate_report, read_report, write_gate_outputs
+    from pipeline.recipe import Gate
+
+    thresholds = load_recipe(recipe).gate if recipe else Gate.model_validate(read_report(report).get("gate", {}))
+    result = gate_report(report, thresholds)
+    folder = out or report.resolve().parent.parent / "gate"
+    with atomic_directory(folder) as tmp:
+        write_gate_outputs(result, tmp)
+    Console().print(f"gate {ICON[result.verdict]}: {sum(c.verdict == 'pass' for c in result.checks)}/"
+                    f"{len(result.checks)} checks pass -> {folder}")
+    raise typer.Exit(result.exit_code)
 
 
 @app.command()
 @_guarded
-def publish(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
-    """Upload the quantized checkpoint with its model card to the Hub, then verify the upload."""
-    _pending("publish")
+def publish(
+    runs: Annotated[list[str], typer.Argument(help="RECIPE or RECIPE=OUT, one per checkpoint to publish "
+                                              "(OUT defaults to --out)", show_default=False, metavar="RECIPE[=OUT]...")],
+    out: OutOpt = Path("runs/latest"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would be uploaded; change nothing")] = False,
+    force: Annotated[bool, typer.Option("--force", help="publish even though the gate did not pass")] = False,
+    create_pr: Annotated[bool, typer.Option("--create-pr", help="open a pull request instead of committing to main")] = False,
+) -> None:
+    """Upload validated checkpoints with their model cards to the Hub, then verify each upload.
+
+    One commit per repo with the checkpoint, the card, figures and mxspec's reports; publishing the
+    same files again makes no commit. Refuses a checkpoint whose gate did not pass unless --force.
+    The drafter is never uploaded. Several RECIPE=OUT pairs make one publishing job with a summary.
+    Token: HF_TOKEN or `hf auth login`; endpoint: the recipe's publish.endpoint, else HF_ENDPOINT, else huggingface.co."""
+    from pipeline.publish import publish_runs
+
+    jobs = []
+    for item in runs:
+        recipe_path, _, run_out = item.partition("=")
+        loaded = load_recipe(Path(recipe_path))
+        if create_pr:
+            loaded = loaded.model_copy(update={"publish": loaded.publish.model_copy(update={"create_pr": True})})
+        jobs.append((loaded, Path(run_out) if run_out else out))
+    outcomes = publish_runs(jobs, dry_run=dry_run, force=force, console=err)
+    table = Table(title="dry run: nothing was uploaded" if dry_run else "publish summary", title_justify="left")
+    for column in ("recipe", "repo", "result", "revision", "files"):
+        table.add_column(column)
+    for outcome in outcomes:
+        table.add_row(*outcome.row())
+    Console().print(table)
+    failed = [o for o in outcomes if o.error]
+    if failed:
+        raise typer.Exit(max(o.exit_code for o in failed))
 
 
 def main() -> None:

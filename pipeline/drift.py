@@ -2,10 +2,11 @@
 
 The unit of resampling is the prompt: both precisions ran the same prompts, so each bootstrap draw
 picks prompts with replacement and recomputes both mean acceptance lengths from the pooled counts
-(a paired ratio estimator). The verdict compares the interval with the tolerated drop:
-  pass          the whole interval lies above -threshold (any drop is within tolerance);
-  fail          the whole interval lies below -threshold (the drop is significantly too large);
-  inconclusive  the interval straddles -threshold (more prompts are needed to decide).
+(a paired ratio estimator). The same draws give an interval for the drop of each per-position
+acceptance rate (bf16 minus MXFP4). `decide` is the one rule that turns an interval into a verdict:
+  pass          the whole interval of the drop lies at or below the threshold (within tolerance);
+  fail          the whole interval lies above the threshold (the drop is significantly too large);
+  inconclusive  the interval straddles the threshold (more prompts are needed to decide).
 """
 
 from __future__ import annotations
@@ -26,8 +27,19 @@ class Drift:
     per_position_gap: list[float]  # |P_mxfp4(i) - P_bf16(i)|
     max_position_gap: float
     mean_position_gap: float
+    position_drop_ci95: list[tuple[float, float]]  # interval of P_bf16(i) - P_mxfp4(i), per position
     num_prompts: int
-    verdict: str  # pass | fail | inconclusive
+    verdict: str  # of the mean-AL drop against max_drop: pass | fail | inconclusive
+
+
+def decide(drop_ci95: tuple[float, float], threshold: float) -> str:
+    """Verdict for a quantity whose increase is bad (a drop), from its 95% interval and its threshold."""
+    low, high = drop_ci95
+    if high <= threshold:
+        return "pass"
+    if low > threshold:
+        return "fail"
+    return "inconclusive"
 
 
 def _pooled_al(drafts: np.ndarray, accepted: np.ndarray) -> np.ndarray:
@@ -41,24 +53,31 @@ def acceptance_drift(
     """Drift from per-prompt stats (same prompts, same order, in both lists)."""
     if len(bf16) != len(mxfp4) or not bf16:
         raise ValueError("drift needs the same non-empty list of prompts for both precisions")
-    base_drafts = np.array([s.num_drafts for s in bf16], dtype=float)
-    base_accepted = np.array([s.accepted for s in bf16], dtype=float)
-    quant_drafts = np.array([s.num_drafts for s in mxfp4], dtype=float)
-    quant_accepted = np.array([s.accepted for s in mxfp4], dtype=float)
-    delta = float(_pooled_al(quant_drafts, quant_accepted) - _pooled_al(base_drafts, base_accepted))
+    base_drafts, base_at = _counts(bf16)
+    quant_drafts, quant_at = _counts(mxfp4)
+    delta = float(_pooled_al(quant_drafts, quant_at.sum(-1)) - _pooled_al(base_drafts, base_at.sum(-1)))
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(bf16), size=(BOOTSTRAP_SAMPLES, len(bf16)))
-    deltas = _pooled_al(quant_drafts[picks], quant_accepted[picks]) - _pooled_al(base_drafts[picks], base_accepted[picks])
+    deltas = _pooled_al(quant_drafts[picks], quant_at[picks].sum(-1)) - _pooled_al(base_drafts[picks], base_at[picks].sum(-1))
     low, high = (float(x) for x in np.percentile(deltas, [2.5, 97.5]))
+    position_drops = _pooled_rates(base_drafts[picks], base_at[picks]) - _pooled_rates(quant_drafts[picks], quant_at[picks])
+    drop_lows, drop_highs = np.percentile(position_drops, [2.5, 97.5], axis=0)
     pooled_bf16, pooled_mxfp4 = AcceptanceStats.pooled(bf16), AcceptanceStats.pooled(mxfp4)
     gaps = [abs(a - b) for a, b in zip(pooled_mxfp4.per_position_acceptance, pooled_bf16.per_position_acceptance)]
-    if low >= -max_drop:
-        verdict = "pass"
-    elif high < -max_drop:
-        verdict = "fail"
-    else:
-        verdict = "inconclusive"
-    return Drift(delta, (low, high), gaps, max(gaps), float(np.mean(gaps)), len(bf16), verdict)
+    return Drift(delta, (low, high), gaps, max(gaps), float(np.mean(gaps)),
+                 [(float(a), float(b)) for a, b in zip(drop_lows, drop_highs)], len(bf16),
+                 decide((-high, -low), max_drop))
+
+
+def _counts(stats: list[AcceptanceStats]) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt: drafts (n,) and accepted-at-position counts (n, positions)."""
+    return (np.array([s.num_drafts for s in stats], dtype=float),
+            np.array([s.accepted_at_position for s in stats], dtype=float))
+
+
+def _pooled_rates(drafts: np.ndarray, accepted_at: np.ndarray) -> np.ndarray:
+    """AcceptanceStats.per_position_acceptance, vectorised over bootstrap draws."""
+    return accepted_at.sum(-2) / np.maximum(drafts.sum(-1), 1)[..., None]
 
 
 def prompt_bootstrap_ci(stats: list[AcceptanceStats], seed: int = 0) -> tuple[float, float]:

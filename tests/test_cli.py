@@ -43,10 +43,3 @@ def test_missing_recipe_exits_2(mxspec, tmp_path):
     result = mxspec("run", tmp_path / "missing.toml", "--out", tmp_path / "out")
     assert result.returncode == 2 and "recipe not found" in result.stderr
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("command, issue", [("publish", 7)])
-def test_stages_not_landed_say_so(mxspec, tmp_path, command, issue):
-    result = mxspec(command, RECIPES / "reference-cpu.toml", "--out", tmp_path)
-    assert result.returncode == 3
-    assert f"issue {issue}" in result.stderr and "Traceback" not in result.stderr

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipeline.acceptance import AcceptanceStats
-from pipeline.drift import acceptance_drift
+from pipeline.drift import acceptance_drift, decide
 
 
 def prompts(mean_accept: float, n: int, seed: int, block: int = 8, steps: int = 40) -> list[AcceptanceStats]:
@@ -46,3 +46,23 @@ def test_the_interval_contains_the_estimate_and_is_seeded():
 def test_lists_must_pair_up():
     with pytest.raises(ValueError):
         acceptance_drift(prompts(0.5, 3, 1), prompts(0.5, 2, 1), 0.2)
+
+
+def test_decide_compares_the_interval_of_a_drop_with_its_threshold():
+    assert decide((-0.3, 0.1), 0.2) == "pass"
+    assert decide((0.25, 0.4), 0.2) == "fail"
+    assert decide((0.1, 0.3), 0.2) == "inconclusive"
+
+
+def test_per_position_drop_intervals_cover_the_observed_drop():
+    base, quant = prompts(0.7, 40, seed=1), prompts(0.4, 40, seed=2)
+    drift = acceptance_drift(base, quant, max_drop=0.2)
+    observed = [a - b for a, b in zip(AcceptanceStats.pooled(base).per_position_acceptance,
+                                      AcceptanceStats.pooled(quant).per_position_acceptance)]
+    assert len(drift.position_drop_ci95) == 7
+    for (low, high), drop in zip(drift.position_drop_ci95, observed):
+        assert low <= drop <= high
+    largest = max(range(7), key=lambda i: observed[i])
+    assert observed[largest] > 0.2 and drift.position_drop_ci95[largest][0] > 0.1  # significant on 40 prompts
+    same = acceptance_drift(base, base, max_drop=0.2)
+    assert all(ci == (0.0, 0.0) for ci in same.position_drop_ci95)

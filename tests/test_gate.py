@@ -1,0 +1,131 @@
+"""The gate as CI meets it: verdicts from the report's intervals, exit codes, Markdown, JUnit XML."""
+
+from __future__ import annotations
+
+import json
+import random
+from xml.etree import ElementTree
+
+import pytest
+
+from pipeline.acceptance import AcceptanceStats
+from pipeline.gate import gate_report
+from pipeline.recipe import Gate, Recipe
+from pipeline.validate import build_report
+
+
+def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 30) -> list[AcceptanceStats]:
+    """Per-prompt counts of a drafter whose drafts are each accepted with probability `accept` in turn
+    (the same seed stands for the same prompts: equal `accept` gives identical counts)."""
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(n):
+        lengths = []
+        for _ in range(steps):
+            accepted = 0
+            while accepted < block - 1 and rng.random() < accept:
+                accepted += 1
+            lengths.append(accepted + 1)
+        stats.append(AcceptanceStats.from_lengths(lengths, block))
+    return stats
+
+
+def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, gate: Gate | None = None, serving=None):
+    """A real validate report (validate.build_report) for gsm8k/mbpp at blocks 4 and 8, bf16 accept 0.7."""
+    recipe = Recipe.model_validate({"name": "gate-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
+                                    "gate": (gate or Gate()).model_dump()})
+    per_prompt = {}
+    for w_index, workload in enumerate(("gsm8k", "mbpp")):
+        for block in (4, 8):
+            per_prompt[(workload, "bf16", block)] = per_prompt_stats(0.7, num_prompts, 10 * w_index + block, block)
+            per_prompt[(workload, "mxfp4", block)] = per_prompt_stats(quant_accept[workload], num_prompts, 10 * w_index + block, block)
+    report = build_report(recipe, per_prompt, {"recipe": recipe.name, "backend": "reference", "target": "/t",
+                                               "drafter": "/d", "settings": {}, "gate": recipe.gate.model_dump(),
+                                               "versions": {}})
+    if serving is not None:
+        report["serving"] = serving
+    path = tmp_path / "validate" / "report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_an_unchanged_drafter_on_a_faithful_target_passes(tmp_path):
+    result = gate_report(write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}), Gate(max_position_gap=0.1))
+    assert result.verdict == "pass" and result.passed and result.exit_code == 0
+    assert {c.name for c in result.checks} == {"gsm8k B=4", "gsm8k B=8", "mbpp B=4", "mbpp B=8"}
+
+
+def test_a_significant_drop_fails_only_the_cells_that_dropped(tmp_path):
+    result = gate_report(write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.3}), Gate(max_position_gap=0.1))
+    assert result.verdict == "fail" and not result.passed and result.exit_code == 1
+    verdicts = {c.name: c.verdict for c in result.checks}
+    assert verdicts["mbpp B=8"] == "fail" and verdicts["mbpp B=4"] == "fail"
+    assert verdicts["gsm8k B=8"] == "pass"
+    assert "mean AL drop" in next(c for c in result.checks if c.name == "mbpp B=8").reason
+
+
+@pytest.mark.parametrize("policy, passed", [("fail", False), ("pass", True)])
+def test_too_few_prompts_are_inconclusive_and_the_recipe_sets_the_policy(tmp_path, policy, passed):
+    gate = Gate(max_acceptance_length_drop=0.25, max_position_gap=0.5, on_inconclusive=policy)
+    result = gate_report(write_report(tmp_path, {"gsm8k": 0.62, "mbpp": 0.7}, num_prompts=3, gate=gate), gate)
+    assert result.verdict == "inconclusive" and result.passed is passed
+
+
+def test_per_position_drops_are_gated_with_their_intervals(tmp_path):
+    # the mean-AL drop is tolerated, but early positions lose far more than 5 points
+    gate = Gate(max_acceptance_length_drop=2.0, max_position_gap=0.05)
+    result = gate_report(write_report(tmp_path, {"gsm8k": 0.45, "mbpp": 0.7}), gate)
+    check = next(c for c in result.checks if c.name == "gsm8k B=8")
+    assert check.verdict == "fail" and "worst position" in check.reason
+
+
+def test_throughput_lift_uses_serving_rows_when_asked(tmp_path):
+    serving = [{"workload": "gsm8k", "method": "dflash", "budget": 8, "concurrency": 1, "precision": p, "throughput_tok_s": t}
+               for p, t in (("bf16", 100.0), ("mxfp4", 104.0))]
+    path = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}, serving=serving)
+    assert gate_report(path, Gate(max_position_gap=0.1, min_throughput_lift=0.02)).passed
+    failed = gate_report(path, Gate(max_position_gap=0.1, min_throughput_lift=0.10))
+    assert failed.verdict == "fail" and any(c.kind == "throughput" and c.verdict == "fail" for c in failed.checks)
+    unmeasured = gate_report(write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}), Gate(max_position_gap=0.1, min_throughput_lift=0.1))
+    assert unmeasured.verdict == "inconclusive"
+
+
+def test_cli_writes_summary_junit_and_verdict_and_exits_1_on_fail(mxspec, tmp_path):
+    report = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.3}, gate=Gate(max_position_gap=0.1))
+    result = mxspec("gate", report)
+    assert result.returncode == 1, result.stderr
+    out = tmp_path / "gate"
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["schema"] == "mxspec.gate/1" and verdict["verdict"] == "fail" and verdict["exit_code"] == 1
+    suite = ElementTree.parse(out / "junit.xml").getroot()
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert set(cases) == {"gsm8k B=4", "gsm8k B=8", "mbpp B=4", "mbpp B=8"}
+    assert cases["mbpp B=8"].find("failure") is not None and cases["gsm8k B=8"].find("failure") is None
+    assert suite.get("failures") == str(sum(c.find("failure") is not None for c in cases.values()))
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("## mxspec gate: FAIL") and "| mbpp B=8 | FAIL |" in summary
+
+
+def test_cli_passes_with_thresholds_from_a_recipe(mxspec, tmp_path):
+    report = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.66}, gate=Gate(max_acceptance_length_drop=0.0, max_position_gap=0.0))
+    assert mxspec("gate", report, "--out", tmp_path / "strict").returncode == 1
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "r"\n[target]\npath = "/t"\n[drafter]\npath = "/d"\n'
+                      "[gate]\nmax_acceptance_length_drop = 1.0\nmax_position_gap = 0.3\n")
+    result = mxspec("gate", report, "--recipe", recipe, "--out", tmp_path / "lenient")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "lenient" / "verdict.json").read_text())["thresholds"]["max_acceptance_length_drop"] == 1.0
+
+
+@pytest.mark.parametrize("content, words", [(None, "report not found"), ("{oops", "not a JSON report"),
+                                            ('{"schema": "other"}', "schema"),
+                                            ('{"schema": "mxspec.validate/1", "drift": []}', "no bf16-vs-MXFP4 drift rows")])
+def test_bad_reports_exit_2_with_one_line(mxspec, tmp_path, content, words):
+    report = tmp_path / "validate" / "report.json"
+    if content is not None:
+        report.parent.mkdir()
+        report.write_text(content)
+    result = mxspec("gate", report)
+    assert result.returncode == 2 and words in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "gate").exists()

@@ -1,0 +1,246 @@
+"""Publishing as a Hub job meets it: the real huggingface_hub client over real HTTP against the local
+Hub (scripts/local_hub.py), on a tiny Qwen3.5 run that went through quantize, pair, validate, gate.
+
+Specifies: byte-for-byte round trip, card metadata, idempotency, resume after a kill, refusal of a
+failed gate (and --force), dry run, pull requests, several recipes in one job, the drafter never
+uploaded, and the token nowhere in output, reports, the card or the run folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi, ModelCard, constants, snapshot_download
+
+from pipeline.recipe import load_recipe
+from pipeline.stages import run_pipeline
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")]
+TOKEN = "hf_publish_test_secret_4b1d9e"
+REPO = "local-user/qwen3.5-tiny-mxfp4"
+
+_spec = importlib.util.spec_from_file_location("local_hub", ROOT / "scripts" / "local_hub.py")
+local_hub = importlib.util.module_from_spec(_spec)
+sys.modules["local_hub"] = local_hub
+_spec.loader.exec_module(local_hub)
+
+
+def recipe_text(tiny: Path, repo: str = REPO, gate: str = "") -> str:
+    return (f'name = "tiny-publish"\n[target]\npath = "{tiny / "qwen3.5-tiny"}"\n'
+            f'[drafter]\npath = "{tiny / "qwen3.5-tiny-dflash"}"\n'
+            "[quantization]\nmode = 'in_memory'\n"
+            "[validation]\nworkloads = ['gsm8k']\nbudgets = [4]\nmethods = ['ar', 'dflash']\n"
+            "backends = ['reference']\nnum_prompts = 3\nmax_tokens = 8\n"
+            f"[gate]\nmax_acceptance_length_drop = 1.0\nmax_position_gap = 1.0\non_inconclusive = 'pass'\n{gate}"
+            f'[publish]\nrepo_id = "{repo}"\ntag = "v1"\n')
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny) -> tuple[Path, Path]:
+    """(recipe, run folder) with every stage before publish done."""
+    folder = tmp_path_factory.mktemp("publish-run")
+    recipe = folder / "recipe.toml"
+    recipe.write_text(recipe_text(tiny))
+    run_pipeline(load_recipe(recipe), folder / "out", until="gate")
+    return recipe, folder / "out"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A local Hub in a subprocess (so tests can kill it); env for the mxspec CLI and the in-test client."""
+    url, proc = local_hub.start_local_hub_process(tmp_path / "hub", TOKEN, stderr=subprocess.PIPE)
+    env = {"HF_ENDPOINT": url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf-home"),
+           "HF_HUB_OFFLINE": "0"}
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    yield url, env, proc
+    proc.kill()
+    proc.wait()
+
+
+def api(url: str) -> HfApi:
+    return HfApi(endpoint=url, token=TOKEN)
+
+
+def commits(url: str, repo: str = REPO) -> list[str]:
+    return [c.commit_id for c in api(url).list_repo_commits(repo)]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_publish_round_trip_card_and_idempotency(mxspec, run, hub, tmp_path):
+    recipe, out = run
+    url, env, _ = hub
+    first = mxspec("publish", f"{recipe}={out}", env=env)
+    assert first.returncode == 0, first.stderr
+    result = json.loads((out / "publish" / "publish.json").read_text())
+    assert result["published"] and result["created_commit"] and result["verified"] == len(result["files"])
+
+    # byte for byte: every local file comes back from the Hub identical
+    download = Path(snapshot_download(REPO, endpoint=url, token=TOKEN, cache_dir=tmp_path / "cache"))
+    checkpoint = out / "quantize" / "checkpoint"
+    for rel, digest in result["files"].items():
+        assert sha256(download / rel) == digest, rel
+    for path in checkpoint.rglob("*"):
+        if path.is_file() and path.name != "README.md":
+            assert sha256(download / path.relative_to(checkpoint)) == sha256(path)
+    assert (download / "figures" / "acceptance_vs_budget.png").is_file()
+    assert (download / "mxspec" / "verdict.json").is_file() and (download / "mxspec" / "pair.json").is_file()
+
+    # the card: Hub metadata conventions, the paired drafter with its hashes, launch commands, versions
+    card = ModelCard.load(download / "README.md")
+    meta = card.data.to_dict()
+    assert meta["base_model"] == "qwen3.5-tiny" and meta["base_model_relation"] == "quantized"
+    assert set(meta["tags"]) >= {"mxfp4", "quark", "dflash", "speculative-decoding"}
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    results = meta["model-index"][0]["results"]
+    assert results[0]["dataset"]["name"] == "gsm8k" and results[0]["metrics"][0]["type"] == "acceptance_length"
+    pair = json.loads((out / "pair" / "pair.json").read_text())
+    assert pair["drafter"]["digest"] in card.text and all(sha in card.text for sha in pair["drafter"]["files"].values())
+    assert "--speculative-config" in card.text and REPO in card.text and "amd-quark" in card.text
+    assert "## Not measured" in card.text
+
+    # the drafter's bytes are nowhere in the repo
+    drafter_shas = set(pair["drafter"]["files"].values())
+    remote = api(url).list_repo_tree(REPO, recursive=True)
+    assert not drafter_shas & {entry.lfs.sha256 for entry in remote if getattr(entry, "lfs", None)}
+
+    # tag v1 names the published commit; a second publish of the same artifacts makes no commit
+    history = commits(url)
+    tags = {t.name: t.target_commit for t in api(url).list_repo_refs(REPO).tags}
+    assert tags["v1"] == result["revision"] == history[0]
+    again = mxspec("publish", f"{recipe}={out}", env=env)
+    assert again.returncode == 0, again.stderr
+    assert commits(url) == history
+    assert not json.loads((out / "publish" / "publish.json").read_text())["created_commit"]
+    assert "unchanged" in again.stdout
+
+    # the token is nowhere: CLI output, run folder (reports, card, manifests)
+    for text in (first.stdout, first.stderr, again.stdout, again.stderr):
+        assert TOKEN not in text
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_publish_resumes_after_a_kill(run, hub, tmp_path):
+    recipe, out = run
+    url, env, hub_proc = hub
+    hub_proc.kill()
+    hub_proc.wait()
+    # restart the same store with slow LFS uploads, so the publisher is surely mid-upload when killed
+    os.environ["LOCAL_HUB_UPLOAD_DELAY_S"] = "3"
+    try:
+        url, hub_proc = local_hub.start_local_hub_process(tmp_path / "hub", TOKEN, stderr=subprocess.PIPE)
+    finally:
+        del os.environ["LOCAL_HUB_UPLOAD_DELAY_S"]
+    env = {**env, "HF_ENDPOINT": url}
+    try:
+        publisher = subprocess.Popen([str(Path(sys.executable).with_name("mxspec")), "publish", f"{recipe}={out}"],
+                                     env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("lfs/objects/batch" in line for line in _log(hub_proc)):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.killpg(publisher.pid, signal.SIGKILL)
+        publisher.wait()
+        assert commits(url) == commits(url)[-1:], "a killed publish leaves no commit"
+        assert not (out / "publish" / "publish.json").exists() or json.loads(
+            (out / "publish" / "publish.json").read_text()).get("revision") not in commits(url)
+    finally:
+        hub_proc.kill()
+        hub_proc.wait()
+    url, hub_proc = local_hub.start_local_hub_process(tmp_path / "hub", TOKEN)
+    try:
+        done = subprocess.run([str(Path(sys.executable).with_name("mxspec")), "publish", f"{recipe}={out}"],
+                              env={**os.environ, **env, "HF_ENDPOINT": url}, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        result = json.loads((out / "publish" / "publish.json").read_text())
+        assert result["created_commit"] and len(commits(url)) == 2  # the Hub's initial commit + ours
+        assert result["verified"] == len(result["files"])
+    finally:
+        hub_proc.kill()
+        hub_proc.wait()
+
+
+_LOG_LINES: dict[int, list[str]] = {}
+
+
+def _log(proc: subprocess.Popen) -> list[str]:
+    """Lines the hub subprocess has logged so far (read without blocking)."""
+    import selectors
+
+    lines = _LOG_LINES.setdefault(proc.pid, [])
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stderr, selectors.EVENT_READ)
+    while selector.select(timeout=0):
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+    return lines
+
+
+def test_a_failed_gate_refuses_to_publish_unless_forced(mxspec, tiny, hub, tmp_path):
+    url, env, _ = hub
+    # throughput lift required but not measured -> inconclusive; the policy makes that a failure
+    strict = tmp_path / "strict.toml"
+    strict.write_text(recipe_text(tiny, gate="min_throughput_lift = 0.05\n").replace("on_inconclusive = 'pass'",
+                                                                                    "on_inconclusive = 'fail'"))
+    strict_out = tmp_path / "strict-out"
+    run_pipeline(load_recipe(strict), strict_out, until="gate")
+    refused = mxspec("publish", f"{strict}={strict_out}", env=env)
+    assert refused.returncode == 1 and "refusing to publish" in refused.stderr and "--force" in refused.stderr
+    assert not api(url).repo_exists(REPO)
+    forced = mxspec("publish", f"{strict}={strict_out}", "--force", env=env)
+    assert forced.returncode == 0, forced.stderr
+    result = json.loads((strict_out / "publish" / "publish.json").read_text())
+    assert result["forced"] and result["gate_verdict"] == "inconclusive"
+    assert "did not pass" in (strict_out / "publish" / "README.md").read_text()
+
+
+def test_dry_run_changes_nothing_and_pr_leaves_main_alone(mxspec, run, hub):
+    recipe, out = run
+    url, env, _ = hub
+    dry = mxspec("publish", f"{recipe}={out}", "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert "would upload" in dry.stdout and "nothing was uploaded" in dry.stdout
+    assert not api(url).repo_exists(REPO)
+    assert mxspec("publish", f"{recipe}={out}", env=env).returncode == 0
+    main_before = commits(url)
+    pr = mxspec("publish", f"{recipe}={out}", "--create-pr", env=env)
+    assert pr.returncode == 0, pr.stderr
+    assert commits(url) == main_before  # nothing changed on main
+
+
+def test_one_job_publishes_several_recipes_with_a_summary(mxspec, run, hub, tmp_path):
+    recipe, out = run
+    url, env, _ = hub
+    second = tmp_path / "second.toml"
+    second.write_text(recipe.read_text().replace(REPO, "local-user/second-copy"))
+    job = mxspec("publish", f"{recipe}={out}", f"{second}={out}", env=env)
+    assert job.returncode == 0, job.stderr
+    assert REPO in job.stdout and "local-user/second-copy" in job.stdout
+    assert api(url).repo_exists(REPO) and api(url).repo_exists("local-user/second-copy")
+
+
+def test_bad_token_and_missing_token_fail_with_one_line(mxspec, run, hub):
+    recipe, out = run
+    url, env, _ = hub
+    wrong = mxspec("publish", f"{recipe}={out}", env={**env, "HF_TOKEN": "hf_wrong_token_zzz"})
+    assert wrong.returncode == 3 and "refused the token" in wrong.stderr and "hf_wrong_token_zzz" not in wrong.stderr
+    missing = mxspec("publish", f"{recipe}={out}", env={**env, "HF_TOKEN": ""})
+    assert missing.returncode == 2 and "HF_TOKEN" in missing.stderr
+    assert "Traceback" not in wrong.stderr + missing.stderr
