@@ -38,7 +38,7 @@ $(TINY)/qwen3.5-tiny/config.json: $(STAMP) scripts/build_tiny_qwen35.py pipeline
 	$(BIN)/python scripts/build_tiny_qwen35.py $(TINY)
 
 demo: install
-	$(BIN)/mxspec run recipes/reference-cpu.toml --out runs/demo
+	bash scripts/run_demo.sh
 
 test: install
 	$(BIN)/python -m pytest

@@ -145,7 +145,7 @@ def work_quark_file_to_file(source: Path, out: Path) -> dict:
     from quark.torch import ModelQuantizer
 
     _, patterns, _ = _plan(source)
-    config = _quant_config("mxfp4", patterns + [f"*conv1d"])
+    config = _quant_config("mxfp4", patterns + ["*conv1d"])
     started = time.perf_counter()
     ModelQuantizer(config).direct_quantize_checkpoint(str(source), str(out), device="cpu")
     return {"seconds": time.perf_counter() - started}

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.atomic import atomic_directory
 from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
-from pipeline.speculative import TargetHooks, block_attention_mask, replay_acceptance, target_features
+from pipeline.speculative import TargetHooks, block_attention_mask, replay_acceptance
 from pipeline.validate import chat_ids
 from pipeline.workloads import all_prompts
 

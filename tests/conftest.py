@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +18,18 @@ REFERENCE_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
 TINY = ROOT / "models" / "tiny"
 
 
+def _load_local_hub():
+    """scripts/local_hub.py, the Hub stand-in that publishing is tested against (a script, not package code)."""
+    spec = importlib.util.spec_from_file_location("local_hub", ROOT / "scripts" / "local_hub.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["local_hub"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+local_hub = _load_local_hub()
+
+
 @dataclass
 class CliResult:
     returncode: int
@@ -28,14 +41,16 @@ class CliResult:
 def mxspec():
     """Run the installed `mxspec` console script in a subprocess, as a user would."""
 
+    exe = Path(sys.executable).with_name("mxspec")
+
     def run(*args: str, env: dict | None = None, timeout: float = 600) -> CliResult:
-        exe = Path(sys.executable).with_name("mxspec")
         proc = subprocess.run(
             [str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout,
             env={**os.environ, "COLUMNS": "200", **(env or {})},
         )
         return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
+    run.exe = exe  # for tests that drive the process themselves (kill it, read it while it runs)
     return run
 
 

@@ -7,11 +7,9 @@ no-op re-commits, tags, pull requests, auth errors, and a restart on the same da
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -19,18 +17,14 @@ import pytest
 from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import local_hub
+
 TOKEN = "hf_local_test_token_9f2c4e1a7b"
 REPO = "local-user/mxfp4-model"
 
 # The client's own LFS upload (`data=fileobj`) triggers this httpx deprecation; nothing to do with the server.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
-_spec = importlib.util.spec_from_file_location("local_hub", ROOT / "scripts" / "local_hub.py")
-assert _spec is not None and _spec.loader is not None
-local_hub = importlib.util.module_from_spec(_spec)
-sys.modules["local_hub"] = local_hub
-_spec.loader.exec_module(local_hub)
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ uploaded, and the token nowhere in output, reports, the card or the run folder.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import signal
@@ -23,16 +22,12 @@ from huggingface_hub import HfApi, ModelCard, constants, snapshot_download
 
 from pipeline.recipe import load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import ROOT
+from tests.conftest import local_hub
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")]
 TOKEN = "hf_publish_test_secret_4b1d9e"
 REPO = "local-user/qwen3.5-tiny-mxfp4"
 
-_spec = importlib.util.spec_from_file_location("local_hub", ROOT / "scripts" / "local_hub.py")
-local_hub = importlib.util.module_from_spec(_spec)
-sys.modules["local_hub"] = local_hub
-_spec.loader.exec_module(local_hub)
 
 
 def recipe_text(tiny: Path, repo: str = REPO, gate: str = "") -> str:

@@ -14,7 +14,7 @@ import pytest
 
 import pipeline.quantize as quantize_module
 from pipeline.errors import BadInputError, ExternalError
-from pipeline.quantize import choose_mode, plan_exclusions, quantize_checkpoint, read_checkpoint, verify_export
+from pipeline.quantize import choose_mode, plan_exclusions, quantize_checkpoint, read_checkpoint
 from pipeline.recipe import Calibration, Quantization
 
 

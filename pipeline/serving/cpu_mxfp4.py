@@ -17,6 +17,10 @@ hands them to the kernel that ``init_mxfp4_linear_kernel`` selects, which on CPU
   as Quark's importer does for dynamic OCP MX fp4 (scale by ``even_round``, elements rounded to e2m1
   with ties to even, saturated at 6), then a plain ``F.linear`` runs.
 
+vLLM's ``QuarkConfig`` also refuses float32 models, the fast dtype on this CPU, so the plugin
+re-registers the "quark" method (``register_quantization_config``, which is meant to replace a method's
+config class) with a subclass that accepts float32 as well.
+
 The plugin does nothing on other platforms: ROCm and CUDA vLLM have native and emulation kernels.
 """
 
@@ -31,6 +35,8 @@ from vllm.model_executor.kernels.linear import (
     MxFp4LinearLayerConfig,
     register_linear_kernel,
 )
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.quark.quark import QuarkConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
 from vllm.platforms import PlatformEnum, current_platform
 
@@ -110,12 +116,24 @@ class CpuMxfp4LinearKernel(MxFp4LinearKernel):
         return F.linear(x, layer.weight, bias)
 
 
+class CpuQuarkConfig(QuarkConfig):
+    """vLLM's Quark config, also accepting float32 models.
+
+    Upstream accepts float16/bfloat16 only (what native MX kernels take). The kernel above computes in
+    any dtype, and float32 is the fast one on CPUs without native bfloat16."""
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [*super().get_supported_act_dtypes(), torch.float32]
+
+
 @functools.cache
 def register() -> None:
-    """``vllm.general_plugins`` entry point: add the kernel to the CPU platform's MXFP4 candidates.
+    """``vllm.general_plugins`` entry point: on CPU, add the kernel to the platform's MXFP4 candidates
+    and let Quark checkpoints be served in float32.
 
     vLLM runs general plugins once per process; the cache keeps a second call (a test's, say) from
     registering the kernel twice."""
     if not current_platform.is_cpu():
         return
     register_linear_kernel(CpuMxfp4LinearKernel, PlatformEnum.CPU, "mxfp4")
+    register_quantization_config("quark")(CpuQuarkConfig)  # replaces the "quark" method's config class

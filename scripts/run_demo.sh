@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# `make demo`: the whole pipeline on the embedded default recipe, publishing to a local Hub.
+#
+# The real Hub is out of reach here, so the demo starts scripts/local_hub.py (the Hub stand-in the
+# publish tests use, speaking the Hub's HTTP protocol) with a throw-away token, points the Hub client
+# at it, runs `mxspec run`, and stops it. The published repo stays in runs/demo-hub/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+mkdir -p runs
+token="demo-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
+LOCAL_HUB_TOKEN="$token" "$BIN/python" scripts/local_hub.py --root runs/demo-hub >runs/demo-hub.url 2>runs/demo-hub.log &
+hub=$!
+trap 'kill "$hub" 2>/dev/null || true' EXIT
+for _ in $(seq 100); do grep -q "listening" runs/demo-hub.url 2>/dev/null && break; sleep 0.1; done
+url=$(sed -n 's/^local hub listening on //p' runs/demo-hub.url)
+[ -n "$url" ] || { echo "error: the local Hub did not start (see runs/demo-hub.log)" >&2; exit 3; }
+echo "local Hub at $url (repos in runs/demo-hub/)"
+HF_ENDPOINT="$url" HF_TOKEN="$token" HF_HUB_DISABLE_XET=1 "$BIN/mxspec" run recipes/reference-cpu.toml --out runs/demo
+echo "report: runs/demo/validate/report.md; gate: runs/demo/gate/summary.md; card: runs/demo/publish/README.md"

