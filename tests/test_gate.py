@@ -129,3 +129,51 @@ def test_bad_reports_exit_2_with_one_line(mxspec, tmp_path, content, words):
     result = mxspec("gate", report)
     assert result.returncode == 2 and words in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "gate").exists()
+
+
+@pytest.mark.slow
+def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_target):
+    """MXFP4 export of the reference target with 5% of its packed weight bytes randomised: its greedy
+    continuations change, the unchanged drafter's acceptance collapses, and the gate says so."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.quantize import quantize_checkpoint
+    from pipeline.recipe import Quantization, load_recipe
+    from pipeline.validate import greedy_continuations, load_target, validate
+    from pipeline.workloads import load_prompts
+    from tests.conftest import RECIPES
+
+    degraded = tmp_path / "degraded"
+    quantize_checkpoint(reference_target, degraded, Quantization(scheme="mxfp4_weight_only", exclude=["lm_head"]))
+    generator = torch.Generator().manual_seed(0)
+    for shard in degraded.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name, packed in tensors.items():
+            if packed.dtype == torch.uint8 and name.endswith(".weight"):
+                hit = torch.rand(packed.shape, generator=generator) < 0.05
+                packed[hit] = torch.randint(0, 256, (int(hit.sum()),), generator=generator, dtype=torch.uint8)
+        save_file(tensors, shard, metadata={"format": "pt"})
+
+    recipe = load_recipe(RECIPES / "reference-cpu.toml")
+    recipe = recipe.model_copy(update={
+        "validation": recipe.validation.model_copy(update={"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 6, "max_tokens": 48}),
+        "gate": Gate(max_acceptance_length_drop=0.2, max_position_gap=0.1, on_inconclusive="fail"),
+    })
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reference_target)
+    prompts = load_prompts("gsm8k", 6, 0)
+    base = greedy_continuations(load_target(reference_target, "bf16"), tokenizer, prompts, 48)
+    broken = greedy_continuations(load_target(degraded, "mxfp4"), tokenizer, prompts, 48)
+    assert sum(a != b for a, b in zip(base, broken)) >= 5, "the perturbation must change greedy continuations"
+
+    report = validate(recipe, reference_target, degraded, recipe.drafter.path, tmp_path / "logs")
+    path = tmp_path / "validate" / "report.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(report))
+    result = gate_report(path, recipe.gate)
+    assert result.verdict == "fail" and result.exit_code == 1
+    check = result.checks[0]
+    assert check.name == "gsm8k B=8" and check.verdict == "fail" and "mean AL drop" in check.reason
+    print(check.reason)
