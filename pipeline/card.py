@@ -54,8 +54,13 @@ class RunArtifacts:
         return [self.out / "validate" / name for name in FIGURES if (self.out / "validate" / name).is_file()]
 
 
+def base_model_id(recipe: Recipe) -> str | None:
+    """The base model's Hub id for the card's metadata (None for a local target without one)."""
+    return recipe.publish.base_model or recipe.target.id
+
+
 def base_model_name(recipe: Recipe) -> str:
-    return recipe.target.id or Path(recipe.target.path).name
+    return base_model_id(recipe) or Path(recipe.target.path).name
 
 
 def drafter_name(recipe: Recipe) -> str:
@@ -70,8 +75,7 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
     drafter = pair["drafter"]
     budgets = sorted({c["budget"] for c in report["cells"]})
     metadata = {
-        "base_model": base_model_name(recipe),
-        "base_model_relation": "quantized",
+        **({"base_model": base_model_id(recipe), "base_model_relation": "quantized"} if base_model_id(recipe) else {}),
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
         "tags": TAGS,

@@ -33,6 +33,8 @@ CARD_FILE = "README.md"
 REPORTS = (("quantize", "mxspec-quantize.json"), ("pair", "pair.json"), ("validate", "report.json"),
            ("validate", "report.md"), ("gate", "verdict.json"), ("gate", "summary.md"))
 DEFAULT_ENDPOINT = "https://huggingface.co"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # drafter files that must never be uploaded (a shared
+# tokenizer file may legitimately have the same bytes in both repos)
 
 
 class HubError(ExternalError):
@@ -120,12 +122,12 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     for stage, name in REPORTS:
         if (run.out / stage / name).is_file():
             sources[f"mxspec/{name}"] = run.out / stage / name
-    drafter_files = set(run.pair["drafter"]["files"].values())
+    drafter_weights = {sha for name, sha in run.pair["drafter"]["files"].items() if name.endswith(WEIGHT_SUFFIXES)}
     files = []
     for path_in_repo, local in sorted(sources.items()):
         sha = hashes.file(local)
-        if sha in drafter_files and local.stat().st_size > 0 and not path_in_repo.startswith("mxspec/"):
-            raise BadInputError(f"{local} has the same bytes as a drafter file; the drafter is never uploaded")
+        if sha in drafter_weights:
+            raise BadInputError(f"{local} has the same bytes as the drafter's weights; the drafter is never uploaded")
         files.append(UploadFile(path_in_repo, local, local.stat().st_size, sha))
     message = (f"mxspec: {recipe.name}, {run.quantize['scheme']} with AMD Quark, gate {verdict['verdict']}"
                + (" (forced)" if not verdict["passed"] else ""))
@@ -280,8 +282,8 @@ class PublishStage:
             (workdir / PUBLISH_FILE).write_text(json.dumps({"published": False, "reason": "no [publish] repo_id"}) + "\n")
             ctx.console.print("  publish: no [publish] repo_id in the recipe; nothing uploaded")
             return
+        plan = plan_publish(recipe, ctx.out, workdir, ctx.hashes, force=self.force)  # refuses a failed gate first
         token = hub_token()
-        plan = plan_publish(recipe, ctx.out, workdir, ctx.hashes, force=self.force)
         gate = read_verdict(ctx.stage_dir("gate"))
         result = publish_plan(plan, token, gate_verdict=gate["verdict"], forced=not gate["passed"])
         write_result(result, workdir)

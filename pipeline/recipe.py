@@ -126,6 +126,7 @@ class Publish(_Section):
     create_pr: bool = False
     tag: str | None = None
     endpoint: str | None = Field(None, description="Hub endpoint; default: HF_ENDPOINT or huggingface.co")
+    base_model: str | None = Field(None, description="Hub id of the base model for the card; default: target.id")
 
 
 class Recipe(_Section):

