@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,7 @@ def test_publish_resumes_after_a_kill(run, hub, tmp_path):
     # restart the same store with slow LFS uploads, so the publisher is surely mid-upload when killed
     os.environ["LOCAL_HUB_UPLOAD_DELAY_S"] = "3"
     try:
-        url, hub_proc = local_hub.start_local_hub_process(tmp_path / "hub", TOKEN, stderr=subprocess.PIPE)
+        url, hub_proc = local_hub.start_local_hub_process(tmp_path / "hub", TOKEN, stderr=subprocess.DEVNULL)
     finally:
         del os.environ["LOCAL_HUB_UPLOAD_DELAY_S"]
     env = {**env, "HF_ENDPOINT": url}
@@ -147,8 +148,9 @@ def test_publish_resumes_after_a_kill(run, hub, tmp_path):
                                      env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any("lfs/objects/batch" in line for line in _log(hub_proc)):
+        while time.monotonic() < deadline and not any("lfs/objects/batch" in r["path"] for r in _requests(url)):
             time.sleep(0.1)
+        assert not any(r["method"] == "PUT" for r in _requests(url)), "no upload may have finished yet"
         time.sleep(0.5)
         os.killpg(publisher.pid, signal.SIGKILL)
         publisher.wait()
@@ -171,22 +173,10 @@ def test_publish_resumes_after_a_kill(run, hub, tmp_path):
         hub_proc.wait()
 
 
-_LOG_LINES: dict[int, list[str]] = {}
-
-
-def _log(proc: subprocess.Popen) -> list[str]:
-    """Lines the hub subprocess has logged so far (read without blocking)."""
-    import selectors
-
-    lines = _LOG_LINES.setdefault(proc.pid, [])
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stderr, selectors.EVENT_READ)
-    while selector.select(timeout=0):
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-    return lines
+def _requests(url: str) -> list[dict]:
+    """The local Hub's log of answered requests (method, path, status)."""
+    with urllib.request.urlopen(f"{url}/_local/requests", timeout=10) as response:
+        return json.loads(response.read())["requests"]
 
 
 def test_a_failed_gate_refuses_to_publish_unless_forced(mxspec, tiny, hub, tmp_path):
