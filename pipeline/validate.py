@@ -179,12 +179,12 @@ def serving_tables(rows: list[dict]) -> list[str]:
                       "| Workload | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
             for workload in dict.fromkeys(r["workload"] for r in subset):
                 by_config = {_config(r): r for r in subset if r["workload"] == workload}
-                best = max((r["speedup"] or 0) for r in by_config.values())
+                best = max(((r["speedup"] or 0) for c, r in by_config.items() if c != "AR"), default=None)  # bold: fastest speculative
                 cells = []
                 for config in configs:
                     r = by_config.get(config)
                     text = "-" if r is None or r["speedup"] is None else f"{r['speedup']:.2f}x ({r['throughput_tok_s']:.1f} tok/s)"
-                    cells.append(f"**{text}**" if r is not None and r["speedup"] == best and len(configs) > 1 else text)
+                    cells.append(f"**{text}**" if r is not None and config != "AR" and r["speedup"] == best else text)
                 lines.append(f"| {workload} | " + " | ".join(cells) + " |")
             lines.append("")
     served = [r for r in rows if r["method"] == "dflash" and r["concurrency"] == min(x["concurrency"] for x in rows)]

@@ -12,6 +12,7 @@ the whole study with one line; nothing partial is reported.
 from __future__ import annotations
 
 import statistics
+import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -143,9 +144,13 @@ def _requests(server: VllmServer, prompts: list[tuple[str, str]], max_tokens: in
         return run_requests(server.base_url, "target", prompts, max_tokens, concurrency,
                             timeout=recipe.serving.request_timeout_s)
     except ServerError as exc:
-        if server.process is not None and server.process.poll() is not None:
+        if server.process is not None:
+            try:  # a dropped connection often comes a moment before the process is reaped
+                code = server.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                raise exc from None
             raise ServerError(f"vLLM server ({server.spec.model}) died during the benchmark with exit code "
-                              f"{server.process.returncode}; log: {server.log_path}") from None
+                              f"{code}; log: {server.log_path}") from None
         raise exc from None
 
 
