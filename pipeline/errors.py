@@ -30,9 +30,3 @@ class ExternalError(MxspecError):
     """A component outside mxspec failed: the Hub, Quark, a vLLM server. Exit 3."""
 
     exit_code = 3
-
-
-class NotYetImplementedError(MxspecError):
-    """A stage whose body has not landed yet (says which issue tracks it). Exit 3."""
-
-    exit_code = 3
