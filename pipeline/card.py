@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import yaml
@@ -30,19 +31,19 @@ class RunArtifacts:
     def _json(self, stage: str, name: str) -> dict:
         return json.loads((self.out / stage / name).read_text())
 
-    @property
+    @cached_property  # each report is read once per run, however often the card and the plan ask
     def quantize(self) -> dict:
         return self._json("quantize", "mxspec-quantize.json")
 
-    @property
+    @cached_property
     def pair(self) -> dict:
         return self._json("pair", "pair.json")
 
-    @property
+    @cached_property
     def report(self) -> dict:
         return self._json("validate", "report.json")
 
-    @property
+    @cached_property
     def gate(self) -> dict:
         return self._json("gate", "verdict.json")
 
