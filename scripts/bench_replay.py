@@ -7,7 +7,10 @@ decoding both must give identical per-step acceptance. A measured token is one c
 one block size, so both sides measure the same thing. Prints both times per measured token, the
 speed-up (target: replay at least 3x faster) and whether continuations and acceptance are identical.
 
-Usage: python scripts/bench_replay.py [--prompts 8] [--block-sizes 4 8 16] [--max-tokens 96]
+With --replay-only it skips the online loop and prints only the mean acceptance length per block
+size (the reference pair's acceptance bar: block 8 >= 2.5 on GSM8K).
+
+Usage: python scripts/bench_replay.py [--prompts 8] [--block-sizes 4 8 16] [--max-tokens 96] [--replay-only]
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ from pipeline.workloads import load_prompts
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@torch.no_grad()
+def replay(target, tokenizer, drafter, prompts, block_sizes, max_tokens) -> tuple[list[list[int]], dict[int, list[list[int]]]]:
+    """Greedy continuations (batched), one target pass over each, and the drafter's per-step
+    acceptance lengths replayed at every block size."""
+    continuations, replayed = [], {b: [] for b in block_sizes}
+    for tokens, prompt_len in greedy_continuations(target, tokenizer, prompts, max_tokens):
+        continuations.append(tokens)
+        sequence = torch.tensor(tokens)
+        hidden = target(sequence[None], output_hidden_states=True).hidden_states
+        features = target_features(hidden, drafter.cfg.target_layer_ids)[0]
+        for b in block_sizes:
+            replayed[b].append(replay_acceptance(drafter, TargetHooks.of(target), sequence, features,
+                                                 prompt_len, b).acceptance_lengths)
+    return continuations, replayed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=ROOT / "models/smollm2-135m-instruct")
@@ -35,6 +54,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--replay-only", action="store_true", help="acceptance by replay only, no online loop")
     args = parser.parse_args()
 
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
@@ -43,23 +63,21 @@ def main() -> None:
     prompts = load_prompts(args.workload, args.prompts, seed=0)
     stop = {tokenizer.eos_token_id}
 
+    if args.replay_only:
+        _, replayed = replay(target, tokenizer, drafter, prompts, args.block_sizes, args.max_tokens)
+        print(f"{len(prompts)} {args.workload} prompts, max {args.max_tokens} tokens, replay")
+        for b in args.block_sizes:
+            print(f"  block {b:2d}: mean acceptance length {sum(map(sum, replayed[b])) / sum(map(len, replayed[b])):.3f} "
+                  f"({sum(map(len, replayed[b]))} steps)")
+        return
+
     started = time.perf_counter()
     online = {b: [generate_online(target, drafter, chat_ids(tokenizer, p.text), b, args.max_tokens, stop) for p in prompts]
               for b in args.block_sizes}
     online_seconds = time.perf_counter() - started
 
     started = time.perf_counter()
-    replayed = {b: [] for b in args.block_sizes}
-    continuations = []
-    with torch.no_grad():
-        for tokens, prompt_len in greedy_continuations(target, tokenizer, prompts, args.max_tokens):
-            continuations.append(tokens)
-            sequence = torch.tensor(tokens)
-            hidden = target(sequence[None], output_hidden_states=True).hidden_states
-            features = target_features(hidden, drafter.cfg.target_layer_ids)[0]
-            for b in args.block_sizes:
-                replayed[b].append(replay_acceptance(drafter, TargetHooks.of(target), sequence, features,
-                                                     prompt_len, b).acceptance_lengths)
+    continuations, replayed = replay(target, tokenizer, drafter, prompts, args.block_sizes, args.max_tokens)
     replay_seconds = time.perf_counter() - started
 
     online_tokens = sum(len(run.tokens) - run.prompt_len for runs in online.values() for run in runs)

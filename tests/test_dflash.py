@@ -1,0 +1,32 @@
+"""The DFlash checkpoint format, on the committed reference drafter (which must also be trained only on
+prompts validation never uses)."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.dflash import DFlashConfig, DFlashDrafter
+from pipeline.recipe import load_recipe
+from pipeline.workloads import all_prompts
+from tests.conftest import RECIPES, REFERENCE_DRAFTER
+
+
+def test_no_prompt_the_recipes_can_evaluate_was_trained_on():
+    training = json.loads((REFERENCE_DRAFTER / "training.json").read_text())
+    heldout = training["heldout_from"]
+    for workload, trained_ids in training["train_prompts"].items():
+        evaluated = {p.id for p in all_prompts(workload, seed=0)[:heldout]}
+        assert trained_ids and not evaluated & set(trained_ids), workload
+    eval_ids = set(training["eval_prompts"])
+    assert eval_ids <= {p.id for p in all_prompts("gsm8k", seed=0)[:heldout]}
+    assert load_recipe(RECIPES / "reference-cpu.toml").validation.num_prompts <= heldout
+
+
+def test_checkpoint_is_in_the_z_lab_layout_and_loads_strictly():
+    config = json.loads((REFERENCE_DRAFTER / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert set(config["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER)  # strict: no missing or extra tensor
+    names = set(drafter.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert drafter.cfg == DFlashConfig.from_dict(config)
