@@ -254,6 +254,7 @@ def main() -> None:
     layer_ids = tuple(args.target_layer_ids)
     num_layers = target.config.num_hidden_layers
     assert all(0 <= i < num_layers - 1 for i in layer_ids), "use layers before the last (vLLM takes it pre-norm)"
+    assert list(layer_ids) == sorted(set(layer_ids)), "list target layers in increasing order (hooks fire in that order)"
 
     train_prompts = [
         p for w, n in TRAIN_MIX.items() for p in all_prompts(w, args.seed)[args.heldout_from :][: int(n * args.scale)]

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,9 +190,10 @@ SLOW_PIPELINE = textwrap.dedent(
             return {}
         def run(self, ctx, workdir):
             seed = b"".join((ctx.stage_dir(r) / "part-7.bin").read_bytes() for r in self.requires) or b"root"
-            for i in range(8):  # several files, written slowly, so a kill can land mid-stage
+            for i in range(8):  # several files, so a kill can land mid-stage
                 data = hashlib.sha256(seed + bytes([i])).digest() * 4096
                 (workdir / f"part-{i}.bin").write_bytes(data)
+                print(f"{self.name} wrote part {i}", flush=True)  # the test kills after the n-th line
                 time.sleep(0.05)
 
     recipe = load_recipe(sys.argv[1])
@@ -215,7 +215,7 @@ def test_killed_at_any_moment_resumes_to_the_same_artifacts(setup):
     def start(out: Path) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, str(script), str(tmp / "recipe.toml"), str(out)], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
     clean = start(tmp / "clean")
@@ -224,9 +224,14 @@ def test_killed_at_any_moment_resumes_to_the_same_artifacts(setup):
 
     out = tmp / "killed"
     kills = 0
-    for delay in (0.6, 0.9, 1.2, 1.5, 1.8, 0.7, 1.1):
+    # Kill after the n-th file write of each run (counted from the run's own output, not by a clock,
+    # so the kills land mid-pipeline on a fast machine as on a slow one): inside a stage, right after
+    # its last file, and in the next stage's first writes.
+    for writes_before_kill in (2, 5, 9, 3, 7, 12, 4):
         proc = start(out)
-        time.sleep(delay)
+        lines = 0
+        while lines < writes_before_kill and proc.stdout.readline():
+            lines += 1
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
@@ -236,7 +241,7 @@ def test_killed_at_any_moment_resumes_to_the_same_artifacts(setup):
             manifest = read_manifest(out / stage)
             if (out / stage).exists():
                 assert manifest is not None, f"{stage} folder without manifest after a kill"
-    assert kills >= 3
+    assert kills >= 3, kills
     final = start(out)
     assert final.wait(timeout=120) == 0, final.stderr.read()
     assert _outputs(out) == expected
