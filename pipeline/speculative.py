@@ -116,6 +116,17 @@ def replay_acceptance(
     return Replay(lengths, block_size)
 
 
+@torch.no_grad()
+def replay_sequence(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_sizes) -> dict[int, Replay]:
+    """One target pass over `tokens` (prompt + greedy continuation) for its features, then the
+    drafter's acceptance along the continuation replayed at each block size."""
+    sequence = torch.as_tensor(tokens)
+    hidden = target(sequence[None], output_hidden_states=True).hidden_states
+    features = target_features(hidden, drafter.cfg.target_layer_ids)[0].float()
+    hooks = TargetHooks.of(target)
+    return {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b) for b in block_sizes}
+
+
 @dataclass(frozen=True)
 class OnlineRun:
     tokens: list[int]  # prompt + committed continuation (stops at EOS or max_new_tokens)

@@ -24,7 +24,7 @@ from pipeline.errors import BadInputError
 from pipeline.pair import text_config
 from pipeline.recipe import Recipe
 from pipeline.runner import StageContext
-from pipeline.speculative import TargetHooks, replay_acceptance, target_features
+from pipeline.speculative import replay_sequence
 from pipeline.workloads import Prompt, load_prompts
 
 REPORT_SCHEMA = "mxspec.validate/1"
@@ -113,14 +113,9 @@ def greedy_continuations(target, tokenizer, prompts: list[Prompt], max_tokens: i
 def measure_acceptance(target, drafter: DFlashDrafter, tokenizer, prompts: list[Prompt], budgets: list[int],
                        max_tokens: int, progress=None) -> dict[int, list[AcceptanceStats]]:
     """Per budget, per prompt: acceptance of the drafter along the target's greedy continuation."""
-    hooks = TargetHooks.of(target)
     per_budget: dict[int, list[AcceptanceStats]] = {b: [] for b in budgets}
     for tokens, prompt_len in greedy_continuations(target, tokenizer, prompts, max_tokens):
-        sequence = torch.tensor(tokens)
-        hidden = target(sequence[None], output_hidden_states=True).hidden_states
-        features = target_features(hidden, drafter.cfg.target_layer_ids)[0].float()
-        for budget in budgets:
-            replay = replay_acceptance(drafter, hooks, sequence, features, prompt_len, budget)
+        for budget, replay in replay_sequence(target, drafter, tokens, prompt_len, budgets).items():
             per_budget[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
         if progress:
             progress()

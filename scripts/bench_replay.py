@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.dflash import DFlashDrafter
-from pipeline.speculative import TargetHooks, generate_online, replay_acceptance, target_features
+from pipeline.speculative import generate_online, replay_sequence
 from pipeline.validate import chat_ids, greedy_continuations
 from pipeline.workloads import load_prompts
 
@@ -37,12 +37,8 @@ def replay(target, tokenizer, drafter, prompts, block_sizes, max_tokens) -> tupl
     continuations, replayed = [], {b: [] for b in block_sizes}
     for tokens, prompt_len in greedy_continuations(target, tokenizer, prompts, max_tokens):
         continuations.append(tokens)
-        sequence = torch.tensor(tokens)
-        hidden = target(sequence[None], output_hidden_states=True).hidden_states
-        features = target_features(hidden, drafter.cfg.target_layer_ids)[0]
-        for b in block_sizes:
-            replayed[b].append(replay_acceptance(drafter, TargetHooks.of(target), sequence, features,
-                                                 prompt_len, b).acceptance_lengths)
+        for b, run in replay_sequence(target, drafter, tokens, prompt_len, block_sizes).items():
+            replayed[b].append(run.acceptance_lengths)
     return continuations, replayed
 
 

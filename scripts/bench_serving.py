@@ -35,7 +35,7 @@ from pipeline.quantize import CHECKPOINT
 from pipeline.recipe import load_recipe
 from pipeline.resolve import read_resolved
 from pipeline.serving.benchmark import ServerCell, serve_matrix
-from pipeline.speculative import TargetHooks, replay_acceptance, target_features
+from pipeline.speculative import replay_sequence
 from pipeline.stages import run_pipeline
 from pipeline.validate import chat_ids, greedy_continuations, load_target
 from pipeline.versions import tool_versions
@@ -47,11 +47,7 @@ WORKLOAD = "gsm8k"
 
 def replayed_al(target, drafter, tokens: list[int], prompt_len: int, block_size: int) -> float:
     """Mean acceptance length of the drafter along `tokens[prompt_len:]`, by the reference replay."""
-    sequence = torch.tensor(tokens)
-    with torch.no_grad():
-        hidden = target(sequence[None], output_hidden_states=True).hidden_states
-    features = target_features(hidden, drafter.cfg.target_layer_ids)[0].float()
-    lengths = replay_acceptance(drafter, TargetHooks.of(target), sequence, features, prompt_len, block_size).acceptance_lengths
+    lengths = replay_sequence(target, drafter, tokens, prompt_len, [block_size])[block_size].acceptance_lengths
     return statistics.fmean(lengths) if lengths else float("nan")
 
 

@@ -7,13 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.dflash import DFlashDrafter
-from pipeline.speculative import (
-    TargetHooks,
-    block_attention_mask,
-    generate_online,
-    replay_acceptance,
-    target_features,
-)
+from pipeline.speculative import block_attention_mask, generate_online, replay_sequence
 from pipeline.validate import chat_ids, load_target
 from pipeline.workloads import load_prompts
 from tests.conftest import REFERENCE_DRAFTER
@@ -34,9 +28,7 @@ def _online_and_replay(target, drafter, tokenizer, text, block_size, max_new_tok
     with torch.no_grad():
         greedy = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.eos_token_id)[0].tolist()
-        hidden = target(torch.tensor([run.tokens]), output_hidden_states=True).hidden_states
-    features = target_features(hidden, drafter.cfg.target_layer_ids)[0]
-    replay = replay_acceptance(drafter, TargetHooks.of(target), torch.tensor(run.tokens), features, run.prompt_len, block_size)
+    replay = replay_sequence(target, drafter, run.tokens, run.prompt_len, [block_size])[block_size]
     return run, greedy, replay
 
 
