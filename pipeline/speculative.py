@@ -83,14 +83,22 @@ def replay_acceptance(
     prompt_len: int,
     block_size: int,
     chunk: int = 64,
+    end: int | None = None,
 ) -> Replay:
-    """Acceptance per step of a greedy speculative run whose output is `tokens[prompt_len:]`.
+    """Acceptance per step of a greedy speculative run whose output is `tokens[prompt_len:end]`.
 
     The first continuation token comes from the prefill; every later step anchors a block at the
     last committed token, accepts the longest prefix of drafts that match the continuation, and
     commits one bonus token from the target.
+
+    The final step counts only the tokens the run kept (it ends at a stop token or the budget), the
+    rule `generate_online` applies. vLLM's counters do not trim: its scheduler counts a step's
+    accepted drafts before cutting them at the stop token or `max_tokens`. Passing `end` < len(tokens),
+    with the target's greedy tokens past the stop (at least B-1 of them), replays that count instead.
     """
-    end = tokens.shape[0]
+    trimmed = end is None
+    end = tokens.shape[0] if end is None else end
+    assert trimmed or tokens.shape[0] - end >= block_size - 1, "untrimmed count needs B-1 tokens past `end`"
     if end <= prompt_len:
         return Replay([], block_size)
     # Anchors a run can visit: the first generated token onwards, up to the second-to-last token.
@@ -109,22 +117,31 @@ def replay_acceptance(
         truth = tokens[anchor + 1 : anchor + block_size]
         matches = (proposed[: len(truth)] == truth).int().cumprod(0)
         accepted = int(matches.sum())
-        # The final step counts only the tokens the run kept (the continuation ends at a stop
-        # token or the budget), the rule generate_online applies.
-        lengths.append(min(accepted + 1, end - 1 - anchor))
+        lengths.append(min(accepted + 1, end - 1 - anchor) if trimmed else accepted + 1)
         anchor += accepted + 1
     return Replay(lengths, block_size)
 
 
 @torch.no_grad()
-def replay_sequence(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_sizes) -> dict[int, Replay]:
+def replay_sequence(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_sizes,
+                    end: int | None = None) -> dict[int, Replay]:
     """One target pass over `tokens` (prompt + greedy continuation) for its features, then the
-    drafter's acceptance along the continuation replayed at each block size."""
+    drafter's acceptance along the continuation replayed at each block size (`end`: see
+    `replay_acceptance`)."""
     sequence = torch.as_tensor(tokens)
     hidden = target(sequence[None], output_hidden_states=True).hidden_states
     features = target_features(hidden, drafter.cfg.target_layer_ids)[0].float()
     hooks = TargetHooks.of(target)
-    return {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b) for b in block_sizes}
+    return {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b, end=end) for b in block_sizes}
+
+
+@torch.no_grad()
+def extend_greedy(target, tokens: list[int], num_tokens: int) -> list[int]:
+    """`tokens` followed by the target's next `num_tokens` greedy tokens, ignoring stop tokens."""
+    tokens = list(tokens)
+    for _ in range(num_tokens):
+        tokens.append(int(target(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,7 @@ class OnlineRun:
     tokens: list[int]  # prompt + committed continuation (stops at EOS or max_new_tokens)
     prompt_len: int
     acceptance_lengths: list[int]
+    sampled_lengths: list[int]  # the same before the final step is trimmed at the stop: what vLLM counts
 
 
 def _has_recurrent_state(target) -> bool:
@@ -169,6 +187,7 @@ def generate_online(
     context = drafter.fuse_context(target_features(out.hidden_states, cfg.target_layer_ids).to(dtype))
     tokens = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
     lengths: list[int] = []
+    sampled: list[int] = []
     budget_end = len(prompt_ids) + max_new_tokens
     while tokens[-1] not in stop_ids and len(tokens) < budget_end:
         anchor = len(tokens) - 1
@@ -187,6 +206,7 @@ def generate_online(
         kept = next((i + 1 for i, t in enumerate(new) if t in stop_ids), len(new))
         kept = min(kept, budget_end - len(tokens))
         lengths.append(kept)
+        sampled.append(len(new))
         tokens += new[:kept]
         if kept < len(new) or tokens[-1] in stop_ids:
             break
@@ -197,5 +217,5 @@ def generate_online(
                 cache = snapshot
                 target(verify_ids[:, : accepted + 1], past_key_values=cache, use_cache=True)
             else:
-                cache.crop(anchor + accepted + 1)
-    return OnlineRun(tokens, len(prompt_ids), lengths)
+                cache.crop(-(block_size - 1 - accepted))  # negative: drop the rejected drafts' positions
+    return OnlineRun(tokens, len(prompt_ids), lengths, sampled)

@@ -40,7 +40,10 @@ from pipeline.workloads import all_prompts
 TRAIN_MIX = {"gsm8k": 1255, "math500": 224, "mbpp": 224, "humaneval": 64, "mt-bench": 16}  # prompts per workload
 BLOCK_SIZES = (4, 8, 16)
 BLOCK_WEIGHTS = (0.25, 0.5, 0.25)
-GAMMA = {4: 2.0, 8: 4.0, 16: 7.0}
+# Loss weight of block position k is exp(-(k-1)/gamma). DFlash uses gamma 7 at block 16; a drafter
+# this small accepts mostly its first one or two drafts, so 0.4x that weights them more (400-step
+# probe, block 8: mean AL 1.51 against 1.44 with DFlash's values).
+GAMMA = {4: 0.8, 8: 1.6, 16: 2.8}
 
 
 def progress() -> Progress:
@@ -134,7 +137,29 @@ def build_records(target_path: Path, target, tokenizer, prompts, layer_ids, max_
     ]
 
 
-def training_loss(drafter, hooks, record, block_size: int, num_anchors: int, generator) -> tuple[torch.Tensor | None, int]:
+class TrainingVocabulary:
+    """The token ids that occur in the training sequences (about 8k of the target's 49k). The training
+    softmax runs over these only: the frozen lm_head and the cross-entropy dominate a step's cost, so a
+    step is ~2.5x faster (0.46 vs 1.26 s measured). Drafting and evaluation still pick among the whole
+    vocabulary."""
+
+    def __init__(self, records: list[dict], lm_head: torch.nn.Module):
+        self.ids = torch.cat([r["tokens"].long() for r in records]).unique()
+        self.index = torch.full((lm_head.weight.shape[0],), -100, dtype=torch.long)
+        self.index[self.ids] = torch.arange(len(self.ids))
+        self.lm_head = torch.nn.Linear(lm_head.weight.shape[1], len(self.ids), bias=False)
+        self.lm_head.weight = torch.nn.Parameter(lm_head.weight.detach()[self.ids].clone(), requires_grad=False)
+
+    def hooks(self, hooks: TargetHooks) -> TargetHooks:
+        return TargetHooks(hooks.embed, self.lm_head)
+
+    def labels(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> indices into the training vocabulary (-100, ignored, stays -100)."""
+        return torch.where(token_ids >= 0, self.index[token_ids.clamp(min=0)], -100)
+
+
+def training_loss(drafter, hooks, vocabulary: TrainingVocabulary, record, block_size: int, num_anchors: int,
+                  generator) -> tuple[torch.Tensor | None, int]:
     """Weighted CE of blocks anchored at distinct random response positions of one record, packed in
     one drafter pass (each block sees only the context before its anchor). Matmuls run in bf16."""
     tokens, prompt_len = record["tokens"].long(), record["prompt_len"]
@@ -144,9 +169,10 @@ def training_loss(drafter, hooks, record, block_size: int, num_anchors: int, gen
     positions = torch.arange(prompt_len, last + 1)
     anchors = positions[torch.randperm(len(positions), generator=generator)[:num_anchors]].sort().values
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = draft_at_anchors(drafter, hooks, tokens, record["features"], anchors, block_size)
+        logits = draft_at_anchors(drafter, vocabulary.hooks(hooks), tokens, record["features"], anchors, block_size)
     label_pos = anchors[:, None] + torch.arange(1, block_size)[None]
     labels = torch.where(label_pos < tokens.shape[0], tokens[label_pos.clamp(max=tokens.shape[0] - 1)], -100)
+    labels = vocabulary.labels(labels)
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     weights = torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / GAMMA[block_size]).expand_as(labels)
     weights = weights * (labels != -100)
@@ -168,7 +194,8 @@ def init_from_target(drafter, target, source_layers: list[int]) -> None:
                     param.copy_(source[name])
 
 
-def train(drafter, hooks, records, steps: int, lr: float, seqs_per_step: int, rows_per_seq: int, seed: int) -> list[dict]:
+def train(drafter, hooks, vocabulary: TrainingVocabulary, records, steps: int, lr: float, seqs_per_step: int,
+          rows_per_seq: int, seed: int) -> list[dict]:
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
@@ -186,7 +213,7 @@ def train(drafter, hooks, records, steps: int, lr: float, seqs_per_step: int, ro
             total, count = 0.0, 0
             for record in rng.sample(records, seqs_per_step):
                 num_anchors = max(1, rows_per_seq // (block_size - 1))
-                loss, labels = training_loss(drafter, hooks, record, block_size, num_anchors, generator)
+                loss, labels = training_loss(drafter, hooks, vocabulary, record, block_size, num_anchors, generator)
                 if loss is None:
                     continue
                 (loss / seqs_per_step).backward()
@@ -205,9 +232,10 @@ def train(drafter, hooks, records, steps: int, lr: float, seqs_per_step: int, ro
     return history
 
 
-def evaluate(drafter, hooks, records) -> dict[str, float]:
-    """Mean acceptance length by replay on held-in evaluation responses, per block size."""
-    result = {}
+def evaluate(drafter, hooks, records) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Mean acceptance length by replay on the evaluation responses, per block size, and the share of
+    steps that accept at least k drafts (k = 1..B-1), which shows where the chain breaks."""
+    means, at_least = {}, {}
     for block_size in BLOCK_SIZES:
         lengths = []
         for record in records:
@@ -215,8 +243,10 @@ def evaluate(drafter, hooks, records) -> dict[str, float]:
                 drafter, hooks, record["tokens"].long(), record["features"].float(), record["prompt_len"], block_size
             )
             lengths += replay.acceptance_lengths
-        result[str(block_size)] = sum(lengths) / len(lengths)
-    return result
+        means[str(block_size)] = sum(lengths) / len(lengths)
+        at_least[str(block_size)] = [
+            round(sum(length > k for length in lengths) / len(lengths), 4) for k in range(1, block_size)]
+    return means, at_least
 
 
 def main() -> None:
@@ -236,8 +266,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--max-prompt-len", type=int, default=384, help="skip longer training prompts")
     parser.add_argument("--data-only", action="store_true", help="build the data cache and stop")
-    parser.add_argument("--steps", type=int, default=1300)
-    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seqs-per-step", type=int, default=8)
     parser.add_argument("--rows-per-seq", type=int, default=224)
     parser.add_argument("--eval-prompts", type=int, default=16)
@@ -298,10 +328,14 @@ def main() -> None:
     init_from_target(drafter, target, args.init_from_layers)
     tie_context_key_norms(drafter)
     hooks = TargetHooks.of(target)
-    history = train(drafter, hooks, data["train"], args.steps, args.lr, args.seqs_per_step, args.rows_per_seq, args.seed)
+    vocabulary = TrainingVocabulary(data["train"], hooks.lm_head)
+    print(f"training softmax over the {len(vocabulary.ids)} token ids that occur in the data", flush=True)
+    history = train(drafter, hooks, vocabulary, data["train"], args.steps, args.lr, args.seqs_per_step,
+                    args.rows_per_seq, args.seed)
     train_seconds = time.time() - started
-    acceptance = evaluate(drafter, hooks, data["eval"])
+    acceptance, at_least = evaluate(drafter, hooks, data["eval"])
     print("mean acceptance length (replay, gsm8k eval prompts):", acceptance)
+    print("share of steps accepting >= k drafts, block 8:", at_least["8"])
 
     n_params = sum(p.numel() for p in {id(p): p for p in drafter.parameters()}.values())
     report = {
@@ -312,6 +346,7 @@ def main() -> None:
         "heldout_from": args.heldout_from,
         "train_sequences": len(data["train"]),
         "train_tokens": sum(int(r["tokens"].shape[0] - r["prompt_len"]) for r in data["train"]),
+        "train_vocabulary": len(vocabulary.ids),
         "args": {k: str(v) for k, v in vars(args).items()},
         "steps": args.steps,
         "init_from_layers": args.init_from_layers,
@@ -319,6 +354,7 @@ def main() -> None:
         "data_seconds": data_seconds,
         "train_seconds": round(train_seconds, 1),
         "eval_mean_acceptance_length": acceptance,
+        "eval_accepting_at_least_k": at_least,
         "eval_prompts": [p.id for p in eval_prompts],
     }
     with atomic_directory(args.out) as tmp:
@@ -332,6 +368,7 @@ def main() -> None:
 def card(report: dict) -> str:
     cfg = report["config"]
     al = report["eval_mean_acceptance_length"]
+    at_least = report["eval_accepting_at_least_k"]["8"]
     layers = report["init_from_layers"]
     init_note = "final norm started from the target's, " + (
         f"draft layers from target layers {layers}" if layers else "other weights random")
@@ -350,7 +387,9 @@ no lm_head: both are borrowed from the target), trained on CPU by `scripts/train
   {report['heldout_from']}) of each workload's fixed order: GSM8K, MATH-500, MBPP, HumanEval, MT-Bench; target features
   from one float32 teacher-forced pass of `transformers` over prompt + response.
 - Objective: random anchors in the responses; block = anchor + masks; context = target features strictly
-  before the anchor; CE on block positions 1..B-1 weighted exp(-(k-1)/gamma); block sizes 4/8/16 mixed;
+  before the anchor; CE on block positions 1..B-1 weighted exp(-(k-1)/gamma), gamma {GAMMA[8]} at block 8, with the
+  softmax over the {report['train_vocabulary']:,} token ids that occur in the data (drafting uses the whole
+  vocabulary); block sizes 4/8/16 mixed;
   {init_note}; AdamW lr {report['args']['lr']}, cosine, {report['steps']} steps of
   {report['args']['seqs_per_step']} sequences x ~{report['args']['rows_per_seq']} labelled positions, matmuls in bf16
   autocast; final loss {report['final_loss']:.3f}.
@@ -358,7 +397,8 @@ no lm_head: both are borrowed from the target), trained on CPU by `scripts/train
   k_norm to every layer's context keys) drafts the same tokens as the plain-PyTorch reference.
 - Time on 2 CPU cores: data {report['data_seconds']} s, training {report['train_seconds']:.0f} s.
 - Mean acceptance length by replay on the first {len(report['eval_prompts'])} GSM8K prompts (not trained on),
-  bonus token counted: block 4: {al['4']:.2f}, block 8: {al['8']:.2f}, block 16: {al['16']:.2f}.
+  bonus token counted: block 4: {al['4']:.2f}, block 8: {al['8']:.2f}, block 16: {al['16']:.2f}; at block 8 the
+  share of steps accepting at least 1 / 2 / 3 drafts is {' / '.join(f"{x:.2f}" for x in at_least[:3])}.
 """
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.dflash import DFlashDrafter
-from pipeline.speculative import block_attention_mask, generate_online, replay_sequence
+from pipeline.speculative import block_attention_mask, extend_greedy, generate_online, replay_sequence
 from pipeline.validate import chat_ids, load_target
 from pipeline.workloads import load_prompts
 from tests.conftest import REFERENCE_DRAFTER
@@ -49,12 +49,19 @@ def test_replay_equals_the_online_loop_on_the_reference_pair(reference_target):
     target = AutoModelForCausalLM.from_pretrained(reference_target, dtype=torch.float32).eval()
     drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER)
     tokenizer = AutoTokenizer.from_pretrained(reference_target)
-    total_steps, accepted = 0, 0
+    total_steps, accepted, overshoot = 0, 0, 0
     for prompt in load_prompts("gsm8k", 3, seed=0):
         run, greedy, replay = _online_and_replay(target, drafter, tokenizer, prompt.text, 8, 64)
         assert run.tokens == greedy[: len(run.tokens)]
         assert run.acceptance_lengths == replay.acceptance_lengths
         assert sum(run.acceptance_lengths) == len(run.tokens) - run.prompt_len - 1  # the first token is the prefill's
+        # vLLM's counters keep the final step's drafts past the stop: replayed with the target's tokens
+        # beyond it, the count is the online loop's before trimming.
+        longer = extend_greedy(target, run.tokens, 7)
+        untrimmed = replay_sequence(target, drafter, longer, run.prompt_len, [8], end=len(run.tokens))[8]
+        assert untrimmed.acceptance_lengths == run.sampled_lengths
+        overshoot += sum(run.sampled_lengths) - sum(run.acceptance_lengths)
         total_steps += len(run.acceptance_lengths)
         accepted += sum(n - 1 for n in run.acceptance_lengths)
     assert accepted > 0, "a trained drafter accepts some drafts"
+    assert overshoot > 0, "no final step accepted a draft past the budget, so the untrimmed count went untested"

@@ -17,7 +17,7 @@ hands them to the kernel that ``init_mxfp4_linear_kernel`` selects, which on CPU
   as Quark's importer does for dynamic OCP MX fp4 (scale by ``even_round``, elements rounded to e2m1
   with ties to even, saturated at 6), then a plain ``F.linear`` runs.
 
-vLLM's ``QuarkConfig`` also refuses float32 models, the fast dtype on this CPU, so the plugin
+vLLM's ``QuarkConfig`` also refuses float32 models, the fast dtype on CPUs without native bf16, so the plugin
 re-registers the "quark" method (``register_quantization_config``, which is meant to replace a method's
 config class) with a subclass that accepts float32 as well.
 
