@@ -143,22 +143,21 @@ class TrainingVocabulary:
     step is ~2.7x faster (0.46 vs 1.26 s measured). Drafting and evaluation still pick among the whole
     vocabulary."""
 
-    def __init__(self, records: list[dict], lm_head: torch.nn.Module):
+    def __init__(self, records: list[dict], hooks: TargetHooks):
         self.ids = torch.cat([r["tokens"].long() for r in records]).unique()
-        self.index = torch.full((lm_head.weight.shape[0],), -100, dtype=torch.long)
+        full = hooks.lm_head.weight
+        self.index = torch.full((full.shape[0],), -100, dtype=torch.long)
         self.index[self.ids] = torch.arange(len(self.ids))
-        self.lm_head = torch.nn.Linear(lm_head.weight.shape[1], len(self.ids), bias=False)
-        self.lm_head.weight = torch.nn.Parameter(lm_head.weight.detach()[self.ids].clone(), requires_grad=False)
-
-    def hooks(self, hooks: TargetHooks) -> TargetHooks:
-        return TargetHooks(hooks.embed, self.lm_head)
+        lm_head = torch.nn.Linear(full.shape[1], len(self.ids), bias=False)
+        lm_head.weight = torch.nn.Parameter(full.detach()[self.ids].clone(), requires_grad=False)
+        self.hooks = TargetHooks(hooks.embed, lm_head)  # the target's embedding, the reduced lm_head
 
     def labels(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> indices into the training vocabulary (-100, ignored, stays -100)."""
         return torch.where(token_ids >= 0, self.index[token_ids.clamp(min=0)], -100)
 
 
-def training_loss(drafter, hooks, vocabulary: TrainingVocabulary, record, block_size: int, num_anchors: int,
+def training_loss(drafter, vocabulary: TrainingVocabulary, record, block_size: int, num_anchors: int,
                   generator) -> tuple[torch.Tensor | None, int]:
     """Weighted CE of blocks anchored at distinct random response positions of one record, packed in
     one drafter pass (each block sees only the context before its anchor). Matmuls run in bf16."""
@@ -169,7 +168,7 @@ def training_loss(drafter, hooks, vocabulary: TrainingVocabulary, record, block_
     positions = torch.arange(prompt_len, last + 1)
     anchors = positions[torch.randperm(len(positions), generator=generator)[:num_anchors]].sort().values
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = draft_at_anchors(drafter, vocabulary.hooks(hooks), tokens, record["features"], anchors, block_size)
+        logits = draft_at_anchors(drafter, vocabulary.hooks, tokens, record["features"], anchors, block_size)
     label_pos = anchors[:, None] + torch.arange(1, block_size)[None]
     labels = torch.where(label_pos < tokens.shape[0], tokens[label_pos.clamp(max=tokens.shape[0] - 1)], -100)
     labels = vocabulary.labels(labels)
@@ -194,7 +193,7 @@ def init_from_target(drafter, target, source_layers: list[int]) -> None:
                     param.copy_(source[name])
 
 
-def train(drafter, hooks, vocabulary: TrainingVocabulary, records, steps: int, lr: float, seqs_per_step: int,
+def train(drafter, vocabulary: TrainingVocabulary, records, steps: int, lr: float, seqs_per_step: int,
           rows_per_seq: int, seed: int) -> list[dict]:
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -213,7 +212,7 @@ def train(drafter, hooks, vocabulary: TrainingVocabulary, records, steps: int, l
             total, count = 0.0, 0
             for record in rng.sample(records, seqs_per_step):
                 num_anchors = max(1, rows_per_seq // (block_size - 1))
-                loss, labels = training_loss(drafter, hooks, vocabulary, record, block_size, num_anchors, generator)
+                loss, labels = training_loss(drafter, vocabulary, record, block_size, num_anchors, generator)
                 if loss is None:
                     continue
                 (loss / seqs_per_step).backward()
@@ -328,9 +327,9 @@ def main() -> None:
     init_from_target(drafter, target, args.init_from_layers)
     tie_context_key_norms(drafter)
     hooks = TargetHooks.of(target)
-    vocabulary = TrainingVocabulary(data["train"], hooks.lm_head)
+    vocabulary = TrainingVocabulary(data["train"], hooks)
     print(f"training softmax over the {len(vocabulary.ids)} token ids that occur in the data", flush=True)
-    history = train(drafter, hooks, vocabulary, data["train"], args.steps, args.lr, args.seqs_per_step,
+    history = train(drafter, vocabulary, data["train"], args.steps, args.lr, args.seqs_per_step,
                     args.rows_per_seq, args.seed)
     train_seconds = time.time() - started
     acceptance, at_least = evaluate(drafter, hooks, data["eval"])
