@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -94,25 +95,27 @@ def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path,
     run_pipeline(load_recipe(recipe), out, until="pair")
     validate = subprocess.Popen([str(mxspec.exe), "validate", str(recipe), "--out", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    server_pid = _wait_for_serving(out, timeout=900)
-    time.sleep(3)  # requests in flight
-    os.killpg(os.getpgid(server_pid), signal.SIGKILL)
+    # The DFlash server is the last cell: killing it cannot race with validate moving on to the next one.
+    server_group = _wait_for_serving(out, "bf16-dflash-b8", validate, timeout=900)
+    time.sleep(1)  # requests in flight
+    os.killpg(server_group, signal.SIGKILL)
     stdout, stderr = validate.communicate(timeout=300)
     assert validate.returncode == 3, stderr[-2000:]
     assert "died" in stderr and "Traceback" not in stderr
     assert not (out / "validate").exists()
 
 
-def _wait_for_serving(out, timeout: float) -> int:
-    """pid of the vLLM server validate started for `out`, once it answers requests."""
+def _wait_for_serving(out, label: str, validate: subprocess.Popen, timeout: float) -> int:
+    """Process group of the vLLM server validate started for cell `label`, once it answers requests."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for log in out.glob(".validate.tmp-*/logs/*.log"):
-            text = log.read_text(errors="replace")
-            if "POST /v1/chat/completions" in text:
-                listing = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True)
-                pids = [int(p) for p in listing.stdout.split()]
-                if pids:
-                    return min(pids)
-        time.sleep(1)
-    raise AssertionError("validate never started serving")
+    while time.monotonic() < deadline and validate.poll() is None:
+        for log in out.glob(f".validate.tmp-*/logs/{label}.log"):
+            command, _, rest = log.read_text(errors="replace").partition("\n")
+            if "POST /v1/chat/completions" in rest:
+                argv = shlex.split(command.removeprefix("$ "))
+                port = argv[argv.index("--port") + 1]
+                listing = subprocess.run(["pgrep", "-f", f"api_server .*--port {port} "], capture_output=True, text=True)
+                if pids := [int(p) for p in listing.stdout.split()]:
+                    return os.getpgid(min(pids))
+        time.sleep(0.5)
+    raise AssertionError(f"validate never served cell {label} (validate exit code {validate.poll()})")
