@@ -1,14 +1,24 @@
-"""The serving matrix as the MI355X recipes define it: which servers start, with which flags. Fast: no
-server starts (the vLLM tier in test_vllm_validate.py starts real ones)."""
+"""The serving matrix as the MI355X recipes define it: which servers start, with which flags (fast: no
+server starts; the vLLM tier in test_vllm_validate.py starts real ones). One slow test serves the
+reference pair's DFlash cell and checks vLLM drafts exactly as the reference drafter does."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from pipeline.acceptance import AcceptanceStats
+from pipeline.dflash import DFlashDrafter
 from pipeline.recipe import load_recipe
-from pipeline.serving.benchmark import ServerCell, server_matrix, server_spec
-from tests.conftest import RECIPES
+from pipeline.serving.benchmark import ServerCell, serve_matrix, server_matrix, server_spec
+from pipeline.speculative import extend_greedy, replay_sequence
+from pipeline.validate import chat_ids, load_target
+from pipeline.workloads import load_prompts
+from tests.conftest import RECIPES, REFERENCE_DRAFTER
 
 
 def test_qwen35_matrix_has_ar_mtp_and_dflash_per_budget_at_both_precisions():
@@ -40,3 +50,33 @@ def test_dflash_cell_names_the_unchanged_drafter_and_ar_has_no_speculation():
     assert "--no-enable-prefix-caching" not in dflash
     ar = server_spec(recipe, ServerCell("bf16", "ar", None), Path("/target"), Path("/drafter")).args()
     assert "--speculative-config" not in ar
+
+
+@pytest.mark.slow
+def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the_served_text(tmp_path, reference_target):
+    """The committed drafter runs in vLLM's `dflash` method and drafts as `pipeline.dflash` does: per
+    prompt, the served acceptance counts (per position, from /metrics) equal the reference replay's on
+    the text the server produced. Replayed untrimmed, because vLLM counts the final step's accepted
+    drafts before trimming them at max_tokens or the stop token (README, vLLM backend)."""
+    block_size = 8
+    recipe = load_recipe(RECIPES / "reference-cpu.toml")
+    validation = recipe.validation.model_copy(update={
+        "workloads": ["gsm8k"], "budgets": [block_size], "precisions": ["bf16"], "methods": ["dflash"],
+        "concurrency": [1], "num_prompts": 4, "max_tokens": 64, "warmup_requests": 1})
+    recipe = recipe.model_copy(update={"validation": validation})
+    prompts = load_prompts("gsm8k", validation.num_prompts, validation.seed)
+
+    served = serve_matrix(recipe, {"bf16": reference_target}, REFERENCE_DRAFTER, {"gsm8k": prompts}, tmp_path / "logs")
+
+    target = load_target(reference_target, "bf16")
+    drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(reference_target)
+    served_tokens = served.tokens[(ServerCell("bf16", "dflash", block_size).label, "gsm8k")]
+    for prompt, tokens, served_stats in zip(prompts, served_tokens, served.per_prompt[("gsm8k", "bf16", block_size)],
+                                            strict=True):
+        sequence = chat_ids(tokenizer, prompt.text) + list(tokens)
+        prompt_len = len(sequence) - len(tokens)
+        extended = extend_greedy(target, sequence, block_size - 1)
+        replay = replay_sequence(target, drafter, extended, prompt_len, [block_size], end=len(sequence))[block_size]
+        assert served_stats == AcceptanceStats.from_lengths(replay.acceptance_lengths, block_size), prompt.id
+        assert served_stats.num_drafts > 0
