@@ -144,6 +144,13 @@ def extend_greedy(target, tokens: list[int], num_tokens: int) -> list[int]:
     return tokens
 
 
+def replay_as_vllm_counts(target, drafter: DFlashDrafter, tokens: list[int], prompt_len: int, block_size: int) -> Replay:
+    """The drafter's acceptance along `tokens[prompt_len:]` counted as vLLM's counters count it: the
+    final step untrimmed, so `tokens` is extended with the target's next greedy tokens to replay it."""
+    extended = extend_greedy(target, tokens, block_size - 1)
+    return replay_sequence(target, drafter, extended, prompt_len, [block_size], end=len(tokens))[block_size]
+
+
 @dataclass(frozen=True)
 class OnlineRun:
     tokens: list[int]  # prompt + committed continuation (stops at EOS or max_new_tokens)

@@ -37,7 +37,7 @@ from pipeline.quantize import CHECKPOINT
 from pipeline.recipe import load_recipe
 from pipeline.resolve import read_resolved
 from pipeline.serving.benchmark import ServerCell, serve_matrix
-from pipeline.speculative import extend_greedy, replay_sequence
+from pipeline.speculative import replay_as_vllm_counts, replay_sequence
 from pipeline.stages import run_pipeline
 from pipeline.validate import chat_ids, greedy_continuations, load_target
 from pipeline.versions import tool_versions
@@ -50,10 +50,10 @@ WORKLOAD = "gsm8k"
 def replayed_al(target, drafter, tokens: list[int], prompt_len: int, block_size: int, as_vllm_counts: bool = False) -> float:
     """Mean acceptance length of the drafter along `tokens[prompt_len:]`, by the reference replay;
     `as_vllm_counts`: the final step untrimmed, as vLLM's counters count it."""
-    end = None
     if as_vllm_counts:
-        end, tokens = len(tokens), extend_greedy(target, tokens, block_size - 1)
-    lengths = replay_sequence(target, drafter, tokens, prompt_len, [block_size], end=end)[block_size].acceptance_lengths
+        lengths = replay_as_vllm_counts(target, drafter, tokens, prompt_len, block_size).acceptance_lengths
+    else:
+        lengths = replay_sequence(target, drafter, tokens, prompt_len, [block_size])[block_size].acceptance_lengths
     return statistics.fmean(lengths) if lengths else float("nan")
 
 

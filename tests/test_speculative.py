@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.dflash import DFlashDrafter
-from pipeline.speculative import block_attention_mask, extend_greedy, generate_online, replay_sequence
+from pipeline.speculative import block_attention_mask, generate_online, replay_as_vllm_counts, replay_sequence
 from pipeline.validate import chat_ids, load_target
 from pipeline.workloads import load_prompts
 from tests.conftest import REFERENCE_DRAFTER
@@ -57,8 +57,7 @@ def test_replay_equals_the_online_loop_on_the_reference_pair(reference_target):
         assert sum(run.acceptance_lengths) == len(run.tokens) - run.prompt_len - 1  # the first token is the prefill's
         # vLLM's counters keep the final step's drafts past the stop: replayed with the target's tokens
         # beyond it, the count is the online loop's before trimming.
-        longer = extend_greedy(target, run.tokens, 7)
-        untrimmed = replay_sequence(target, drafter, longer, run.prompt_len, [8], end=len(run.tokens))[8]
+        untrimmed = replay_as_vllm_counts(target, drafter, run.tokens, run.prompt_len, 8)
         assert untrimmed.acceptance_lengths == run.sampled_lengths
         overshoot += sum(run.sampled_lengths) - sum(run.acceptance_lengths)
         total_steps += len(run.acceptance_lengths)

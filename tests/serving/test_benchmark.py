@@ -15,7 +15,7 @@ from pipeline.acceptance import AcceptanceStats
 from pipeline.dflash import DFlashDrafter
 from pipeline.recipe import load_recipe
 from pipeline.serving.benchmark import ServerCell, serve_matrix, server_matrix, server_spec
-from pipeline.speculative import extend_greedy, replay_sequence
+from pipeline.speculative import replay_as_vllm_counts
 from pipeline.validate import chat_ids, load_target
 from pipeline.workloads import load_prompts
 from tests.conftest import RECIPES, REFERENCE_DRAFTER
@@ -76,7 +76,6 @@ def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the
                                             strict=True):
         sequence = chat_ids(tokenizer, prompt.text) + list(tokens)
         prompt_len = len(sequence) - len(tokens)
-        extended = extend_greedy(target, sequence, block_size - 1)
-        replay = replay_sequence(target, drafter, extended, prompt_len, [block_size], end=len(sequence))[block_size]
+        replay = replay_as_vllm_counts(target, drafter, sequence, prompt_len, block_size)
         assert served_stats == AcceptanceStats.from_lengths(replay.acceptance_lengths, block_size), prompt.id
         assert served_stats.num_drafts > 0
