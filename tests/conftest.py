@@ -18,16 +18,16 @@ REFERENCE_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
 TINY = ROOT / "models" / "tiny"
 
 
-def _load_local_hub():
-    """scripts/local_hub.py, the Hub stand-in that publishing is tested against (a script, not package code)."""
-    spec = importlib.util.spec_from_file_location("local_hub", ROOT / "scripts" / "local_hub.py")
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts are not package code, but tests read some of them)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["local_hub"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-local_hub = _load_local_hub()
+local_hub = load_script("local_hub")  # the Hub stand-in that publishing is tested against
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""The drafter-training objective (scripts/train_dflash_drafter.py): what a block position is scored against."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights
+from pipeline.speculative import TargetHooks
+from tests.conftest import load_script
+
+training = load_script("train_dflash_drafter")
+VOCAB, HIDDEN, PROMPT_LEN = 64, 32, 6
+
+
+def _drafter_and_hooks() -> tuple[DFlashDrafter, TargetHooks]:
+    cfg = DFlashConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, block_size=8, mask_token_id=1,
+                       target_layer_ids=(0, 1), num_target_layers=3)
+    drafter = DFlashDrafter(cfg)
+    init_weights(drafter, std=0.2, seed=0)
+    torch.manual_seed(0)
+    return drafter, TargetHooks(torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+
+
+def _record(response_token: int, greedy_token: int, runner_up: int) -> dict:
+    """A prompt plus a 2-token response: its only anchor is the first response token, whose one label
+    is the target's next token after it (`greedy_token`), whatever the response has there."""
+    tokens = torch.tensor([3, 31, 32, 33, 7, 8, 9, response_token], dtype=torch.int32)
+    top_ids = torch.tensor([[greedy_token, runner_up] + list(range(10, 10 + training.TOP_K - 2))] * (len(tokens) - 1),
+                           dtype=torch.int32)
+    top_logprobs = torch.log_softmax(torch.linspace(0, -3, training.TOP_K), -1).repeat(len(tokens) - 1, 1)
+    features = torch.randn(len(tokens) - 1, 2 * HIDDEN, generator=torch.Generator().manual_seed(1))
+    return {"tokens": tokens, "prompt_len": PROMPT_LEN, "features": features.to(torch.bfloat16),
+            "target_top_ids": top_ids, "target_top_logprobs": top_logprobs.to(torch.float16)}
+
+
+def _loss(drafter, vocabulary, record, soft_weight: float) -> float:
+    loss, labels = training.training_loss(drafter, vocabulary, record, block_size=8, num_anchors=4,
+                                          generator=torch.Generator().manual_seed(0), soft_weight=soft_weight)
+    assert labels == 1
+    return loss.item()
+
+
+def test_a_block_position_is_labelled_with_the_targets_greedy_token_not_the_responses_token():
+    drafter, hooks = _drafter_and_hooks()
+    sampled = _record(response_token=40, greedy_token=30, runner_up=31)
+    greedy = _record(response_token=30, greedy_token=30, runner_up=31)
+    other_greedy = _record(response_token=30, greedy_token=33, runner_up=31)
+    vocabulary = training.TrainingVocabulary([sampled, greedy, other_greedy], hooks)
+    for soft_weight in (0.0, 0.5):
+        assert _loss(drafter, vocabulary, sampled, soft_weight) == _loss(drafter, vocabulary, greedy, soft_weight)
+        assert _loss(drafter, vocabulary, other_greedy, soft_weight) != _loss(drafter, vocabulary, greedy, soft_weight)
+
+
+def test_the_soft_part_of_the_loss_reads_the_targets_runners_up():
+    drafter, hooks = _drafter_and_hooks()
+    first, second = _record(30, 30, runner_up=31), _record(30, 30, runner_up=32)
+    vocabulary = training.TrainingVocabulary([first, second], hooks)
+    assert _loss(drafter, vocabulary, first, 0.0) == _loss(drafter, vocabulary, second, 0.0)
+    assert _loss(drafter, vocabulary, first, 0.5) != _loss(drafter, vocabulary, second, 0.5)
+
+
+def test_runners_up_outside_the_training_vocabulary_are_left_out_of_the_soft_target():
+    drafter, hooks = _drafter_and_hooks()
+    record = _record(30, 30, runner_up=50)
+    vocabulary = training.TrainingVocabulary([record], hooks)  # the record's tokens: 50 and 10.. are not among them
+    assert (vocabulary.labels(record["target_top_ids"][0].long())[1:] == -100).all()
+    assert torch.isfinite(torch.tensor(_loss(drafter, vocabulary, record, 1.0)))
