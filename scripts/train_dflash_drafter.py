@@ -38,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.atomic import atomic_directory
 from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
+from pipeline.hashing import digest_of, list_files, sha256_file
 from pipeline.speculative import TargetHooks, draft_at_anchors, replay_acceptance
 from pipeline.validate import chat_ids
 from pipeline.workloads import all_prompts
@@ -251,6 +252,30 @@ def init_from_target(drafter, target, source_layers: list[int]) -> None:
                     param.copy_(source[name])
 
 
+def continue_from(path: Path, target_config, layer_ids: tuple[int, ...]) -> tuple[DFlashDrafter, dict]:
+    """A saved drafter to train further, and what the new report says about it: its digest (as a
+    recipe's drafter.sha256 pins it) and its own training report and card, so the lineage stays in
+    the checkpoint that comes out."""
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--init-from-drafter {path}: no config.json there; pass a drafter folder")
+    drafter = DFlashDrafter.from_pretrained(path)
+    cfg = drafter.cfg
+    if (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers, cfg.target_layer_ids) != (
+            target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers, layer_ids):
+        raise SystemExit(f"--init-from-drafter {path}: drafts for hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}, "
+                         f"layers {list(cfg.target_layer_ids)} of {cfg.num_target_layers}; this target needs hidden "
+                         f"{target_config.hidden_size}, vocabulary {target_config.vocab_size}, --target-layer-ids "
+                         f"{list(layer_ids)} of {target_config.num_hidden_layers}")
+    report, card_text = path / "training.json", path / "README.md"
+    parent = {
+        "path": str(path),
+        "sha256": digest_of({name: sha256_file(path / name) for name in list_files(path)}),
+        "report": json.loads(report.read_text()) if report.is_file() else None,
+        "card": card_text.read_text() if card_text.is_file() else None,
+    }
+    return drafter, parent
+
+
 def train(drafter, vocabulary: TrainingVocabulary, records, steps: int, lr: float, seqs_per_step: int,
           rows_per_seq: int, seed: int, hooks: TargetHooks, validation: list[dict],
           validate_every: int, soft_weight: float) -> tuple[list[dict], list[dict]]:
@@ -418,6 +443,8 @@ def main() -> None:
     parser.add_argument("--soft-label-weight", type=float, default=0.5,
                         help="weight of the loss against the target's top-k distribution (the rest: its greedy token)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from-drafter", type=Path,
+                        help="continue training this drafter (its config wins over the shape options above)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -458,9 +485,14 @@ def main() -> None:
         rope_theta=float(target.config.rope_parameters["rope_theta"]),
         max_position_embeddings=target.config.max_position_embeddings,
     )
-    drafter = DFlashDrafter(cfg)
-    init_weights(drafter, seed=args.seed)
-    init_from_target(drafter, target, args.init_from_layers)
+    parent = None
+    if args.init_from_drafter:
+        drafter, parent = continue_from(args.init_from_drafter, target.config, layer_ids)
+        cfg = drafter.cfg
+    else:
+        drafter = DFlashDrafter(cfg)
+        init_weights(drafter, seed=args.seed)
+        init_from_target(drafter, target, args.init_from_layers)
     tie_context_key_norms(drafter)
     hooks = TargetHooks.of(target)
     vocabulary = TrainingVocabulary(data["train"], hooks)
@@ -491,7 +523,8 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "steps": len(history),
         "steps_planned": args.steps,
-        "init_from_layers": args.init_from_layers,
+        "init_from_layers": None if parent else args.init_from_layers,
+        "init_from_drafter": parent,
         "final_loss": sum(h["loss"] for h in history[-100:]) / min(100, len(history)),
         "data_seconds": data["seconds"],
         "train_seconds": round(train_seconds, 1),
@@ -514,8 +547,12 @@ def card(report: dict) -> str:
     layers = report["init_from_layers"]
     responses = ", ".join(f"{n:,} {kind}" for kind, n in report["train_responses"].items())
     validation = ", ".join(f"{c['step']}: {c['validation_acceptance_length_b8']:.2f}" for c in report["checkpoints"])
-    init_note = "final norm started from the target's, " + (
-        f"draft layers from target layers {layers}" if layers else "other weights random")
+    parent = report.get("init_from_drafter")
+    if parent:
+        init_note = f"all weights started from the drafter with digest {parent['sha256'][:16]}... (stage 1, below)"
+    else:
+        init_note = "final norm started from the target's, " + (
+            f"draft layers from target layers {layers}" if layers else "other weights random")
     return f"""# DFlash drafter for SmolLM2-135M-Instruct (mxspec reference pair)
 
 A block-diffusion drafter in z-lab's `DFlashDraftModel` format (`model_type: qwen3`, no embedding,
@@ -551,7 +588,14 @@ no lm_head: both are borrowed from the target), trained on CPU by `scripts/train
 - Mean acceptance length by replay on the first {len(report['eval_prompts'])} GSM8K prompts (not trained on),
   bonus token counted: block 4: {al['4']:.2f}, block 8: {al['8']:.2f}, block 16: {al['16']:.2f}; at block 8 the
   share of steps accepting at least 1 / 2 / 3 drafts is {' / '.join(f"{x:.2f}" for x in at_least[:3])}.
-"""
+""" + (parent_section(parent) if parent else "")
+
+
+def parent_section(parent: dict) -> str:
+    """The card of the drafter training continued from, one heading level down."""
+    body = parent["card"] or "(that drafter had no card)\n"
+    body = "\n".join("##" + line if line.startswith("#") else line for line in body.splitlines())
+    return f"\n## Stage 1: the drafter this one continues (digest {parent['sha256']})\n\n{body}\n"
 
 
 if __name__ == "__main__":

@@ -13,13 +13,20 @@ from tests.conftest import RECIPES, REFERENCE_DRAFTER
 
 def test_no_prompt_the_recipes_can_evaluate_was_trained_on():
     training = json.loads((REFERENCE_DRAFTER / "training.json").read_text())
-    heldout = training["heldout_from"]
-    for workload, trained_ids in training["train_prompts"].items():
-        evaluated = {p.id for p in all_prompts(workload, seed=0)[:heldout]}
-        assert trained_ids and not evaluated & set(trained_ids), workload
-    eval_ids = set(training["eval_prompts"])
-    assert eval_ids <= {p.id for p in all_prompts("gsm8k", seed=0)[:heldout]}
-    assert load_recipe(RECIPES / "reference-cpu.toml").validation.num_prompts <= heldout
+    num_prompts = load_recipe(RECIPES / "reference-cpu.toml").validation.num_prompts
+    stages = 0
+    while training:  # this drafter's training, then that of each drafter it was continued from
+        heldout = training["heldout_from"]
+        for workload, trained_ids in training["train_prompts"].items():
+            evaluated = {p.id for p in all_prompts(workload, seed=0)[:heldout]}
+            assert trained_ids and not evaluated & set(trained_ids), workload
+        eval_ids = set(training["eval_prompts"])
+        assert eval_ids <= {p.id for p in all_prompts("gsm8k", seed=0)[:heldout]}
+        assert num_prompts <= heldout
+        parent, stages = training.get("init_from_drafter"), stages + 1
+        assert parent is None or parent["report"], "a drafter it continues has no training report to check"
+        training = parent and parent["report"]
+    assert stages >= 1
 
 
 def test_checkpoint_is_in_the_z_lab_layout_and_loads_strictly():

@@ -66,3 +66,35 @@ def test_runners_up_outside_the_training_vocabulary_are_left_out_of_the_soft_tar
     vocabulary = training.TrainingVocabulary([record], hooks)  # the record's tokens: 50 and 10.. are not among them
     assert (vocabulary.labels(record["target_top_ids"][0].long())[1:] == -100).all()
     assert torch.isfinite(torch.tensor(_loss(drafter, vocabulary, record, 1.0)))
+
+
+def _target_config(hidden: int = HIDDEN):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(hidden_size=hidden, vocab_size=VOCAB, num_hidden_layers=3)
+
+
+def test_training_continues_from_a_saved_drafter_and_records_its_digest_and_card(tmp_path):
+    from pipeline.hashing import digest_of, list_files, sha256_file
+
+    drafter, _ = _drafter_and_hooks()
+    drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    (tmp_path / "README.md").write_text("# Stage-1 drafter\n\nmade somehow\n")
+    loaded, parent = training.continue_from(tmp_path, _target_config(), (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()))
+    assert parent["sha256"] == digest_of({n: sha256_file(tmp_path / n) for n in list_files(tmp_path)})
+    section = training.parent_section(parent)
+    assert parent["sha256"] in section and "\n### Stage-1 drafter\n" in section  # its heading two levels down
+
+
+def test_continuing_from_a_drafter_of_another_target_is_refused_in_one_line(tmp_path):
+    import pytest
+
+    drafter, _ = _drafter_and_hooks()
+    drafter.save_pretrained(tmp_path)
+    for config, layer_ids in ((_target_config(hidden=2 * HIDDEN), (0, 1)), (_target_config(), (0, 2))):
+        with pytest.raises(SystemExit, match="this target needs") as refused:
+            training.continue_from(tmp_path, config, layer_ids)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(SystemExit, match="no config.json"):
+        training.continue_from(tmp_path / "missing", _target_config(), (0, 1))
