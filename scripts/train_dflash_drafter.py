@@ -19,6 +19,8 @@ by default, its layers) from the target's, and runs its matmuls in bf16 autocast
 AVX512-BF16; the machine that trained the committed drafter had it).
 
 Usage: python scripts/train_dflash_drafter.py --target models/smollm2-135m-instruct --out DIR
+The committed drafter was continued from an earlier one (--init-from-drafter DIR); the new report and
+card keep the earlier drafter's digest, report and card.
 """
 
 from __future__ import annotations
