@@ -594,7 +594,7 @@ no lm_head: both are borrowed from the target), trained on CPU by `scripts/train
 
 
 def parent_section(parent: dict) -> str:
-    """The card of the drafter training continued from, one heading level down."""
+    """The card of the drafter training continued from, its headings two levels down."""
     body = parent["card"] or "(that drafter had no card)\n"
     body = "\n".join("##" + line if line.startswith("#") else line for line in body.splitlines())
     return f"\n## Stage 1: the drafter this one continues (digest {parent['sha256']})\n\n{body}\n"
