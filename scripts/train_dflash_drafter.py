@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.atomic import atomic_directory
 from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
-from pipeline.hashing import digest_of, list_files, sha256_file
+from pipeline.hashing import HashCache, digest_of
 from pipeline.speculative import TargetHooks, draft_at_anchors, replay_acceptance
 from pipeline.validate import chat_ids
 from pipeline.workloads import all_prompts
@@ -271,7 +271,7 @@ def continue_from(path: Path, target_config, layer_ids: tuple[int, ...]) -> tupl
     report, card_text = path / "training.json", path / "README.md"
     parent = {
         "path": str(path),
-        "sha256": digest_of({name: sha256_file(path / name) for name in list_files(path)}),
+        "sha256": digest_of(HashCache().tree(path)),
         "report": json.loads(report.read_text()) if report.is_file() else None,
         "card": card_text.read_text() if card_text.is_file() else None,
     }
