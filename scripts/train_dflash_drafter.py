@@ -19,13 +19,15 @@ by default, its layers) from the target's, and runs its matmuls in bf16 autocast
 AVX512-BF16; the machine that trained the committed drafter had it).
 
 Usage: python scripts/train_dflash_drafter.py --target models/smollm2-135m-instruct --out DIR
-The committed drafter was continued from an earlier one (--init-from-drafter DIR); the new report and
-card keep the earlier drafter's digest, report and card.
+The committed drafter was continued twice from an earlier one (--init-from-drafter DIR, the second time
+with --add-layers 1, a new layer that starts as a no-op); each report and card keeps the earlier
+drafter's digest, report and card.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -278,6 +280,21 @@ def continue_from(path: Path, target_config, layer_ids: tuple[int, ...]) -> tupl
     return drafter, parent
 
 
+def grow(drafter: DFlashDrafter, extra_layers: int) -> DFlashDrafter:
+    """The same drafter with `extra_layers` more layers on top, drafting exactly as before: each new
+    layer starts as a copy of the last one with its two residual outputs (o_proj, down_proj) zeroed,
+    so it adds nothing until training moves those weights (they get gradients from the start)."""
+    grown = DFlashDrafter(dataclasses.replace(drafter.cfg, num_hidden_layers=drafter.cfg.num_hidden_layers + extra_layers))
+    state = dict(drafter.state_dict())
+    last = len(drafter.layers) - 1
+    for new in range(len(drafter.layers), len(grown.layers)):
+        for name, value in drafter.layers[last].state_dict().items():
+            zeroed = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"layers.{new}.{name}"] = torch.zeros_like(value) if zeroed else value.clone()
+    grown.load_state_dict(state, strict=True)
+    return grown
+
+
 def train(drafter, vocabulary: TrainingVocabulary, records, steps: int, lr: float, seqs_per_step: int,
           rows_per_seq: int, seed: int, hooks: TargetHooks, validation: list[dict],
           validate_every: int, soft_weight: float) -> tuple[list[dict], list[dict]]:
@@ -447,7 +464,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-from-drafter", type=Path,
                         help="continue training this drafter (its config wins over the shape options above)")
+    parser.add_argument("--add-layers", type=int, default=0,
+                        help="with --init-from-drafter: stack this many new layers on it (they start as no-ops)")
     args = parser.parse_args()
+    if args.add_layers and not args.init_from_drafter:
+        parser.error("--add-layers grows a saved drafter; pass --init-from-drafter DIR too")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -490,6 +511,8 @@ def main() -> None:
     parent = None
     if args.init_from_drafter:
         drafter, parent = continue_from(args.init_from_drafter, target.config, layer_ids)
+        if args.add_layers:
+            drafter = grow(drafter, args.add_layers)
         cfg = drafter.cfg
     else:
         drafter = DFlashDrafter(cfg)
@@ -551,7 +574,11 @@ def card(report: dict) -> str:
     validation = ", ".join(f"{c['step']}: {c['validation_acceptance_length_b8']:.2f}" for c in report["checkpoints"])
     parent = report.get("init_from_drafter")
     if parent:
-        init_note = f"all weights started from the drafter with digest {parent['sha256'][:16]}... (stage 1, below)"
+        init_note = f"all weights started from the drafter with digest {parent['sha256'][:16]}... (its card is below)"
+        added = int(report["args"].get("add_layers", "0"))
+        if added:
+            init_note += (f", with {added} new layer(s) stacked on its {cfg['num_hidden_layers'] - added}, each starting as a copy "
+                          "of its last layer with o_proj and down_proj zeroed (so drafting was unchanged at step 0)")
     else:
         init_note = "final norm started from the target's, " + (
             f"draft layers from target layers {layers}" if layers else "other weights random")
@@ -597,7 +624,7 @@ def parent_section(parent: dict) -> str:
     """The card of the drafter training continued from, its headings two levels down."""
     body = parent["card"] or "(that drafter had no card)\n"
     body = "\n".join("##" + line if line.startswith("#") else line for line in body.splitlines())
-    return f"\n## Stage 1: the drafter this one continues (digest {parent['sha256']})\n\n{body}\n"
+    return f"\n## The drafter this one continues (digest {parent['sha256']})\n\n{body}\n"
 
 
 if __name__ == "__main__":

@@ -98,3 +98,18 @@ def test_continuing_from_a_drafter_of_another_target_is_refused_in_one_line(tmp_
         assert "\n" not in str(refused.value)
     with pytest.raises(SystemExit, match="no config.json"):
         training.continue_from(tmp_path / "missing", _target_config(), (0, 1))
+
+
+def test_a_grown_drafter_drafts_exactly_as_before_and_its_new_layers_learn():
+    drafter, hooks = _drafter_and_hooks()
+    grown = training.grow(drafter, extra_layers=2)
+    assert grown.cfg.num_hidden_layers == 3 and len(grown.layers) == 3
+    record = _record(30, 30, runner_up=31)
+    vocabulary = training.TrainingVocabulary([record], hooks)
+    assert _loss(grown, vocabulary, record, 0.5) == _loss(drafter, vocabulary, record, 0.5)
+    loss, _ = training.training_loss(grown, vocabulary, record, block_size=8, num_anchors=4,
+                                     generator=torch.Generator().manual_seed(0), soft_weight=0.5)
+    loss.backward()
+    for layer in grown.layers[1:]:
+        assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0
+        assert layer.mlp.down_proj.weight.grad.abs().sum() > 0
