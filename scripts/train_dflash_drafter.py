@@ -19,9 +19,9 @@ by default, its layers) from the target's, and runs its matmuls in bf16 autocast
 AVX512-BF16; the machine that trained the committed drafter had it).
 
 Usage: python scripts/train_dflash_drafter.py --target models/smollm2-135m-instruct --out DIR
-The committed drafter was continued twice from an earlier one (--init-from-drafter DIR, the second time
-with --add-layers 1, a new layer that starts as a no-op); each report and card keeps the earlier
-drafter's digest, report and card.
+The committed drafter was continued three times from an earlier one (--init-from-drafter DIR, the last
+two times with --add-layers 1, a new layer that starts as a no-op); each report and card keeps the
+earlier drafter's digest, report and card.
 """
 
 from __future__ import annotations
