@@ -467,6 +467,8 @@ def main() -> None:
     parser.add_argument("--add-layers", type=int, default=0,
                         help="with --init-from-drafter: stack this many new layers on it (they start as no-ops)")
     args = parser.parse_args()
+    if args.add_layers < 0:
+        parser.error("--add-layers only stacks layers on; pass 0 or more")
     if args.add_layers and not args.init_from_drafter:
         parser.error("--add-layers grows a saved drafter; pass --init-from-drafter DIR too")
 
