@@ -19,8 +19,8 @@ by default, its layers) from the target's, and runs its matmuls in bf16 autocast
 AVX512-BF16; the machine that trained the committed drafter had it).
 
 Usage: python scripts/train_dflash_drafter.py --target models/smollm2-135m-instruct --out DIR
-The committed drafter was continued three times from an earlier one (--init-from-drafter DIR, the last
-two times with --add-layers 1, a new layer that starts as a no-op); each report and card keeps the
+The committed drafter was continued four times from an earlier one (--init-from-drafter DIR, the last
+three times with --add-layers 1, a new layer that starts as a no-op); each report and card keeps the
 earlier drafter's digest, report and card.
 """
 
@@ -623,10 +623,18 @@ no lm_head: both are borrowed from the target), trained on CPU by `scripts/train
 
 
 def parent_section(parent: dict) -> str:
-    """The card of the drafter training continued from, its headings two levels down."""
+    """The card of the drafter training continued from, its headings two levels down. Markdown has six
+    heading levels, so a lineage deeper than that keeps its deepest headings at level 6."""
     body = parent["card"] or "(that drafter had no card)\n"
-    body = "\n".join("##" + line if line.startswith("#") else line for line in body.splitlines())
+    body = "\n".join(_demoted(line) for line in body.splitlines())
     return f"\n## The drafter this one continues (digest {parent['sha256']})\n\n{body}\n"
+
+
+def _demoted(line: str) -> str:
+    level = len(line) - len(line.lstrip("#"))
+    if not level or line[level:level + 1] not in (" ", ""):
+        return line  # not an ATX heading ("#5" in a sentence, say)
+    return "#" * min(6, level + 2) + line[level:]
 
 
 if __name__ == "__main__":

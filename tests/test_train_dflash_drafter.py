@@ -87,6 +87,14 @@ def test_training_continues_from_a_saved_drafter_and_records_its_digest_and_card
     assert parent["sha256"] in section and "\n### Stage-1 drafter\n" in section  # its heading two levels down
 
 
+def test_a_deep_lineage_keeps_its_headings_within_markdowns_six_levels():
+    card = "# Stage 3\n\n#5 is a number\n\n## Continues\n\n### Stage 2\n\n##### Deep\n\n###### Deepest\n"
+    section = training.parent_section({"sha256": "ab" * 32, "card": card})
+    headings = [line for line in section.splitlines() if line.startswith("#")]
+    assert headings == ["## The drafter this one continues (digest " + "ab" * 32 + ")", "### Stage 3", "#5 is a number",
+                        "#### Continues", "##### Stage 2", "###### Deep", "###### Deepest"]
+
+
 def test_continuing_from_a_drafter_of_another_target_is_refused_in_one_line(tmp_path):
     import pytest
 
