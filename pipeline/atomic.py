@@ -1,7 +1,13 @@
-"""Write-then-rename helpers: a crash or kill never leaves an artifact that looks complete."""
+"""Write-then-rename helpers: a crash or kill never leaves an artifact that looks complete.
+
+mxspec only ever replaces what it wrote itself. Every folder `atomic_directory` creates carries an
+ownership mark (`OWNER_MARK`); an existing folder without it, or a file, at an output path is
+refused with one line (exit 2) instead of being moved aside and deleted.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -9,8 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.errors import BadInputError
+
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
+OWNER_MARK = ".mxspec-output"  # an empty file: "mxspec wrote this folder and may replace it"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -30,18 +39,68 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def is_mxspec_folder(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / OWNER_MARK).is_file()
+
+
+def check_replaceable(path: Path, what: str = "output folder") -> None:
+    """Refuse (exit 2) when `path` holds something mxspec did not write: a file, or a non-empty folder
+    without the ownership mark. An absent path or an empty folder is fine."""
+    path = Path(path)
+    try:
+        if path.is_symlink() and not path.exists():
+            raise BadInputError(f"{path}: the {what} is a broken or looping symlink; pick another path")
+        if path.exists() and not path.is_dir():
+            raise BadInputError(f"{path}: the {what} is an existing file; mxspec will not replace it, pick another path")
+        if path.is_dir() and any(path.iterdir()) and not is_mxspec_folder(path):
+            raise BadInputError(f"{path}: the {what} already exists and was not written by mxspec; "
+                                "move it away or pick another path (mxspec never replaces what it did not write)")
+    except OSError as exc:
+        raise BadInputError(f"{path}: the {what} cannot be inspected ({_why(exc)}); pick another path") from None
+
+
+def make_dirs(path: Path, what: str = "output folder") -> Path:
+    """mkdir -p with one clear line for the ways a user-given path can be unusable."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise BadInputError(f"{path}: cannot use it as the {what} ({_why(exc)}); pick a writable folder") from None
+    return path
+
+
+def _why(exc: OSError) -> str:
+    reasons = {errno.ENOTDIR: "a part of the path is a file", errno.EEXIST: "a file is in the way",
+               errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
+               errno.ELOOP: "symlink loop", errno.ENOENT: "a part of the path does not exist",
+               errno.ENOSPC: "no space left on the device", errno.ENAMETOOLONG: "name too long"}
+    return reasons.get(exc.errno, exc.strerror or exc.__class__.__name__)
+
+
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield an empty sibling temp dir; on success it replaces `final` in one rename.
+    """Yield an empty sibling temp dir (already marked as mxspec's); on success it replaces `final` in
+    one rename.
 
-    On any error (or a kill) the temp dir is left with a name `sweep_partials` removes, and
-    `final` keeps its previous content or stays absent.
+    `final` must be absent, empty or an earlier mxspec output (`check_replaceable`). On any error (or a
+    kill) the temp dir is left with a name `sweep_partials` removes, and `final` keeps its previous
+    content or stays absent.
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    final = Path(os.path.abspath(final))
+    if Path.cwd() == final or final in Path.cwd().parents:
+        raise BadInputError(f"{final}: the output folder holds the current folder; pick a subfolder instead")
+    check_replaceable(final)
+    make_dirs(final.parent)
     token = uuid.uuid4().hex[:8]
     tmp = final.with_name(f".{final.name}{TMP_MARK}{token}")
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+        (tmp / OWNER_MARK).touch()
+    except OSError as exc:
+        raise BadInputError(f"{final}: cannot write the output folder ({_why(exc)}); pick a writable path") from None
     try:
         yield tmp
     except BaseException:

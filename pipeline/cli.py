@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pipeline.errors import MxspecError
@@ -45,7 +46,9 @@ def _guarded(command):
         try:
             return command(*args, **kwargs)
         except MxspecError as exc:
-            err.print(f"[red]error:[/] {exc}", markup=True)
+            if os.environ.get("MXSPEC_TRACEBACK"):
+                traceback.print_exc()
+            err.print(f"[red]error:[/] {escape(str(exc))}")
             raise typer.Exit(exc.exit_code) from None
         except typer.Exit:  # a command's own exit code (e.g. gate: 1 on fail)
             raise
@@ -55,7 +58,7 @@ def _guarded(command):
         except Exception as exc:  # a bug: say so in one line, keep the traceback behind a switch
             if os.environ.get("MXSPEC_TRACEBACK"):
                 traceback.print_exc()
-            err.print(f"[red]internal error:[/] {exc.__class__.__name__}: {exc} (set MXSPEC_TRACEBACK=1 for details)")
+            err.print(f"[red]internal error:[/] {exc.__class__.__name__}: {escape(str(exc))} (set MXSPEC_TRACEBACK=1 for details)")
             raise typer.Exit(3) from None
 
     return wrapper
@@ -65,13 +68,18 @@ def _guarded(command):
 @_guarded
 def recipe_check(recipe: RecipeArg) -> None:
     """Validate a recipe and print what it will run. Exit 2 with one line per problem."""
+    from pipeline.preflight import preflight
+
     loaded = load_recipe(recipe)
+    notes = preflight(loaded)
     Console().print(_recipe_table(recipe, loaded))
+    for note in notes:
+        err.print(f"[yellow]note:[/] {escape(note)}")
 
 
 def _recipe_table(path: Path, recipe: Recipe) -> Table:
     v, q = recipe.validation, recipe.quantization
-    table = Table(title=f"{path}: ok", show_header=False, title_justify="left")
+    table = Table(title=escape(f"{path}: ok"), show_header=False, title_justify="left")
     rows = {
         "name": recipe.name,
         "target": recipe.target.describe() + ("" if recipe.target.pinned else "  (revision not pinned)"),
@@ -88,7 +96,7 @@ def _recipe_table(path: Path, recipe: Recipe) -> Table:
         "publish": recipe.publish.repo_id or "-",
     }
     for key, value in rows.items():
-        table.add_row(key, value)
+        table.add_row(key, escape(value))
     return table
 
 
@@ -159,17 +167,21 @@ def gate(
     A cell fails only when its 95% interval lies beyond the threshold; `on_inconclusive` in the recipe
     decides what an undecided cell means. Writes a Markdown summary (for a CI job summary or PR comment)
     and JUnit XML with one test case per (workload, budget)."""
-    from pipeline.atomic import atomic_directory
-    from pipeline.gate import ICON, gate_report, read_report, write_gate_outputs
-    from pipeline.recipe import Gate
+    from contextlib import nullcontext
 
-    thresholds = load_recipe(recipe).gate if recipe else Gate.model_validate(read_report(report).get("gate", {}))
+    from pipeline.atomic import atomic_directory
+    from pipeline.gate import ICON, gate_report, write_gate_outputs
+    from pipeline.runner import hold_run_folder, is_run_folder
+
+    thresholds = load_recipe(recipe).gate if recipe else None
     result = gate_report(report, thresholds)
-    folder = out or report.resolve().parent.parent / "gate"
-    with atomic_directory(folder) as tmp:
-        write_gate_outputs(result, tmp)
+    folder = Path(os.path.abspath(out or report.resolve().parent.parent / "gate"))
+    # Inside a run folder, wait for no other mxspec run to hold it (the gate is one of its stages).
+    with hold_run_folder(folder.parent) if is_run_folder(folder.parent) else nullcontext():
+        with atomic_directory(folder) as tmp:
+            write_gate_outputs(result, tmp)
     Console().print(f"gate {ICON[result.verdict]}: {sum(c.verdict == 'pass' for c in result.checks)}/"
-                    f"{len(result.checks)} checks pass -> {folder}")
+                    f"{len(result.checks)} checks pass -> {escape(str(folder))}")
     raise typer.Exit(result.exit_code)
 
 
@@ -203,7 +215,7 @@ def publish(
     for column in ("recipe", "repo", "result", "revision", "files"):
         table.add_column(column)
     for outcome in outcomes:
-        table.add_row(*outcome.row())
+        table.add_row(*map(escape, outcome.row()))
     Console().print(table)
     failed = [o for o in outcomes if o.error]
     if failed:

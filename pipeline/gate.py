@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from xml.etree import ElementTree
 
+from pipeline.artifacts import DriftRow, ServedRow, ValidateReport, read_validate_report
 from pipeline.drift import decide
 from pipeline.errors import BadInputError, GateFailedError
 from pipeline.hashing import sha256_file
@@ -59,64 +60,57 @@ class GateResult:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def read_report(path: Path) -> dict:
-    """A validate report, or one line saying why it cannot be gated."""
-    try:
-        report = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: report not found; pass OUT/validate/report.json of a validate run") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as exc:
-        raise BadInputError(f"{path}: not a JSON report ({exc.__class__.__name__}); pass OUT/validate/report.json") from None
-    schema = report.get("schema") if isinstance(report, dict) else None
-    if schema != "mxspec.validate/1":
-        raise BadInputError(f"{path}: schema {schema!r} is not 'mxspec.validate/1'; regenerate it with `mxspec validate`")
-    if not report.get("drift"):
+def read_report(path: Path) -> ValidateReport:
+    """A validate report checked against its schema and itself, with bf16-vs-MXFP4 drift rows to gate."""
+    report = read_validate_report(path)
+    if not report.drift:
         raise BadInputError(f"{path}: the report has no bf16-vs-MXFP4 drift rows; validate with precisions ['bf16', 'mxfp4']")
     return report
 
 
-def gate_report(report_path: Path, thresholds: Gate) -> GateResult:
-    """Apply the thresholds to every drift row (and throughput pair) of the report."""
+def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateResult:
+    """Apply the thresholds (default: those the report records) to every drift row (and throughput pair)."""
     report = read_report(report_path)
-    checks = [_acceptance_check(row, thresholds) for row in report["drift"]]
+    thresholds = thresholds or report.gate
+    checks = [_acceptance_check(row, thresholds) for row in report.drift]
     if thresholds.min_throughput_lift is not None:
-        checks += _throughput_checks(report.get("serving", []), thresholds.min_throughput_lift)
+        checks += _throughput_checks(report.serving or [], thresholds.min_throughput_lift)
     verdict = max((c.verdict for c in checks), key=SEVERITY.__getitem__)
     passed = verdict == "pass" or (verdict == "inconclusive" and thresholds.on_inconclusive == "pass")
     return GateResult(verdict, passed, thresholds.model_dump(mode="json"), checks, str(report_path),
                       sha256_file(Path(report_path)))
 
 
-def _acceptance_check(row: dict, gate: Gate) -> Check:
+def _acceptance_check(row: DriftRow, gate: Gate) -> Check:
     """Mean-AL drop and the worst per-position drop of one (workload, budget), each against its threshold."""
-    drop_ci = (-row["ci95"][1], -row["ci95"][0])
+    drop_ci = (-row.ci95[1], -row.ci95[0])
     al_verdict = decide(drop_ci, gate.max_acceptance_length_drop)
-    position_verdicts = [decide(tuple(ci), gate.max_position_gap) for ci in row["position_drop_ci95"]]
-    worst = max(range(len(position_verdicts)), key=lambda i: (SEVERITY[position_verdicts[i]], row["position_drop_ci95"][i][1]))
+    position_verdicts = [decide(tuple(ci), gate.max_position_gap) for ci in row.position_drop_ci95]
+    worst = max(range(len(position_verdicts)), key=lambda i: (SEVERITY[position_verdicts[i]], row.position_drop_ci95[i][1]))
     verdict = max(al_verdict, position_verdicts[worst], key=SEVERITY.__getitem__)
-    low, high = row["position_drop_ci95"][worst]
-    reason = (f"mean AL drop {-row['delta']:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+    low, high = row.position_drop_ci95[worst]
+    reason = (f"mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
               f"{gate.max_acceptance_length_drop} -> {al_verdict}; worst position {worst + 1} drop 95% CI "
               f"{low:+.3f}..{high:+.3f} vs max {gate.max_position_gap} -> {position_verdicts[worst]}")
-    measured = {"delta": row["delta"], "ci95": row["ci95"], "max_position_gap": row["max_position_gap"],
-                "worst_position": worst + 1, "num_prompts": row["num_prompts"]}
-    return Check(f"{row['workload']} B={row['budget']}", row["workload"], "acceptance", verdict, reason, measured)
+    measured = {"delta": row.delta, "ci95": list(row.ci95), "max_position_gap": row.max_position_gap,
+                "worst_position": worst + 1, "num_prompts": row.num_prompts}
+    return Check(f"{row.workload} B={row.budget}", row.workload, "acceptance", verdict, reason, measured)
 
 
-def _throughput_checks(serving: list[dict], min_lift: float) -> list[Check]:
+def _throughput_checks(serving: list[ServedRow], min_lift: float) -> list[Check]:
     """MXFP4 over bf16 throughput for each served cell measured at both precisions."""
-    rows = {(r["workload"], r["method"], r.get("budget"), r["concurrency"], r["precision"]): r for r in serving}
+    rows = {(r.workload, r.method, r.budget, r.concurrency, r.precision): r for r in serving}
     checks = []
     for (workload, method, budget, concurrency, precision), quant in sorted(rows.items(), key=str):
         base = rows.get((workload, method, budget, concurrency, "bf16"))
         if precision != "mxfp4" or base is None:
             continue
-        lift = quant["throughput_tok_s"] / base["throughput_tok_s"] - 1
+        lift = quant.throughput_tok_s / base.throughput_tok_s - 1
         verdict = "pass" if lift >= min_lift else "fail"
         cell = f"{workload} {method}" + (f" B={budget}" if budget else "") + f" c={concurrency}"
         checks.append(Check(f"throughput {cell}", workload, "throughput", verdict,
                             f"MXFP4 throughput lift {lift:+.1%} vs min {min_lift:+.1%} (one run each, no interval)",
-                            {"lift": lift, "bf16_tok_s": base["throughput_tok_s"], "mxfp4_tok_s": quant["throughput_tok_s"]}))
+                            {"lift": lift, "bf16_tok_s": base.throughput_tok_s, "mxfp4_tok_s": quant.throughput_tok_s}))
     if not checks:
         checks.append(Check("throughput", "-", "throughput", "inconclusive",
                             "min_throughput_lift is set but the report has no vLLM throughput at both precisions"))

@@ -34,10 +34,16 @@ def text_config(config: dict) -> dict:
 
 def drafter_target_mismatches(drafter: dict, target: dict) -> list[str]:
     """Why a DFlash drafter config cannot pair with a target config (empty list: it can)."""
-    if "dflash_config" not in drafter:
+    if not isinstance(drafter.get("dflash_config"), dict):
         return ["the drafter config has no dflash_config: not a DFlash drafter"]
     text = text_config(target)
     dflash = drafter["dflash_config"]
+    missing = ([f"drafter config lacks an integer '{k}'" for k in ("hidden_size", "vocab_size") if not _is_int(drafter.get(k))]
+               + [f"drafter dflash_config lacks '{k}'" for k in ("target_layer_ids", "mask_token_id") if k not in dflash]
+               + [f"target config lacks an integer '{k}'" for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+                  if not isinstance(text, dict) or not _is_int(text.get(k))])
+    if missing:
+        return missing
     problems = []
     if drafter["hidden_size"] != text["hidden_size"]:
         problems.append(f"hidden_size {drafter['hidden_size']} != target {text['hidden_size']}")
@@ -54,24 +60,35 @@ def drafter_target_mismatches(drafter: dict, target: dict) -> list[str]:
     return problems
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _tokenizer_hashes(model: ResolvedModel) -> dict[str, str]:
     return {name: sha for name, sha in model.files.items() if name in TOKENIZER_FILES}
 
 
-def check_compatibility(target: ResolvedModel, drafter: ResolvedModel, budgets: list[int]) -> None:
-    config = drafter.config
-    if "DFlashDraftModel" not in config.get("architectures", []):
-        raise BadInputError(f"drafter {drafter.ref}: architectures {config.get('architectures')} is not DFlashDraftModel")
-    problems = drafter_target_mismatches(config, target.config)
-    block_size = config.get("block_size") or config.get("dflash_config", {}).get("block_size")
+def pairing_problems(drafter: dict, target: dict, budgets: list[int],
+                     drafter_tokenizer: dict[str, str], target_tokenizer: dict[str, str]) -> list[str]:
+    """Why a drafter cannot pair with a target, from their configs and tokenizer-file hashes alone
+    (so `recipe check` and the start of a run find it before any quantization)."""
+    if "DFlashDraftModel" not in (drafter.get("architectures") or []):
+        return [f"architectures {drafter.get('architectures')} is not DFlashDraftModel"]
+    problems = drafter_target_mismatches(drafter, target)
+    block_size = drafter.get("block_size") or drafter.get("dflash_config", {}).get("block_size")
     if not isinstance(block_size, int) or not 2 <= block_size <= 64:
         problems.append(f"block_size {block_size!r} is not a sane DFlash block (2..64)")
     elif max(budgets) > block_size:
         problems.append(f"the recipe's budget {max(budgets)} exceeds the drafter's block_size {block_size}")
-    shared = _tokenizer_hashes(drafter).keys() & _tokenizer_hashes(target).keys()
-    for name in sorted(shared):
-        if drafter.files[name] != target.files[name]:
+    for name in sorted(drafter_tokenizer.keys() & target_tokenizer.keys()):
+        if drafter_tokenizer[name] != target_tokenizer[name]:
             problems.append(f"{name} differs between drafter and target (different tokenizers)")
+    return problems
+
+
+def check_compatibility(target: ResolvedModel, drafter: ResolvedModel, budgets: list[int]) -> None:
+    problems = pairing_problems(drafter.config, target.config, budgets, _tokenizer_hashes(drafter),
+                                _tokenizer_hashes(target))
     if problems:
         raise BadInputError(f"drafter {drafter.ref} does not pair with target {target.ref}: {problems[0]}"
                             + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

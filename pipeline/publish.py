@@ -99,9 +99,6 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     publish = recipe.publish
     if not publish.repo_id:
         raise BadInputError("[publish] repo_id is not set in the recipe; add repo_id = 'owner/name' to publish")
-    if recipe.drafter.id and publish.repo_id.lower() == recipe.drafter.id.lower():
-        raise BadInputError(f"[publish] repo_id {publish.repo_id!r} is the drafter's repo; mxspec never modifies the "
-                            "drafter, publish the quantized target to its own repo")
     run = RunArtifacts(Path(out))
     for stage in ("quantize", "pair", "validate", "gate"):
         if not (run.out / stage / "manifest.json").is_file():
@@ -229,6 +226,19 @@ def _ensure_tag(api, repo_id: str, tag: str, revision: str) -> None:
                             "pick a new tag")
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client errors huggingface_hub may raise: httpx's, or httpx2's (huggingface_hub >= 2.4)."""
+    import importlib
+
+    found = []
+    for module in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(module).HTTPError)
+        except ImportError:
+            continue
+    return tuple(found)
+
+
 class _hub_errors:
     """Turn client and HTTP failures into one-line HubErrors that never contain the token."""
 
@@ -241,7 +251,6 @@ class _hub_errors:
     def __exit__(self, kind, exc, tb):
         if exc is None or isinstance(exc, (BadInputError, GateFailedError, HubError)):
             return False
-        import httpx
         from huggingface_hub.errors import HfHubHTTPError
 
         if isinstance(exc, HfHubHTTPError):
@@ -251,7 +260,7 @@ class _hub_errors:
                 message = f"the Hub at {self.plan.endpoint} refused the token ({status}); check HF_TOKEN's write access to {self.plan.repo_id}"
             else:
                 message = f"the Hub at {self.plan.endpoint} answered {status}: {first}"
-        elif isinstance(exc, (httpx.HTTPError, OSError)):
+        elif isinstance(exc, (*_transport_errors(), OSError)):
             message = f"cannot reach the Hub at {self.plan.endpoint} ({exc.__class__.__name__}); check the network or HF_ENDPOINT"
         else:
             return False
@@ -322,10 +331,18 @@ def publish_runs(jobs: list[tuple[Recipe, Path]], *, dry_run: bool = False, forc
         try:
             outcomes.append(_plan_only(recipe, out, force) if dry_run else _publish_one(recipe, out, force, console))
         except MxspecError as exc:
-            if console:
-                console.print(f"[red]error:[/] {recipe.name}: {exc}")
-            outcomes.append(JobOutcome(recipe.name, repo, "failed", error=str(exc).splitlines()[0], exit_code=exc.exit_code))
+            outcomes.append(_failed(recipe, repo, str(exc), exc.exit_code, console))
+        except Exception as exc:  # a bug in one job must not stop the others; the summary names it
+            outcomes.append(_failed(recipe, repo, f"internal error: {exc.__class__.__name__}: {exc}", 3, console))
     return outcomes
+
+
+def _failed(recipe: Recipe, repo: str, message: str, exit_code: int, console) -> JobOutcome:
+    from rich.markup import escape
+
+    if console:
+        console.print(f"[red]error:[/] {escape(recipe.name)}: {escape(message)}")
+    return JobOutcome(recipe.name, repo, "failed", error=message.splitlines()[0], exit_code=exit_code)
 
 
 def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:

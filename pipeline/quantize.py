@@ -374,7 +374,7 @@ class QuantizeStage:
     name = "quantize"
     version = 1
     sections = ("quantization", "calibration")
-    requires = ("resolve",)
+    requires = ("resolve/target.json",)  # the target only: a drafter change never re-quantizes
     tools = ("amd-quark", "torch", "transformers", "safetensors")
 
     def external_inputs(self, ctx: StageContext) -> dict[str, Path]:

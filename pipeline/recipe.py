@@ -26,10 +26,32 @@ Method = Literal["ar", "mtp", "dflash"]
 Backend = Literal["reference", "vllm"]
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
+# A Hub repo id as the Hub accepts it: 'owner/name', each part letters, digits, '-', '_', '.', at most 96
+# characters, not starting with '-' or '.', without '--' or '..', and not ending in '.git'.
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REPO_ID = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
+# Upper bounds a real study stays far below; past them a typo costs hours or memory, not a result.
+MAX_PROMPTS = 10_000  # the largest offline prompt set (GSM8K) has 1,319
+MAX_TOKENS = 262_144  # Qwen3.5's max_position_embeddings
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` is not a Hub repo id, or None."""
+    if not _REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return (f"{repo_id!r} is not a Hub repo id; use 'owner/name' with letters, digits, '-', '_' or '.' "
+                "(no '--' or '..', at most 96 characters each)")
+    return None
+
+
+def _no_duplicates(values: list, key: str) -> list:
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{key} lists {', '.join(repeated)} more than once; list each once")
+    return values
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelRef(_Section):
@@ -47,8 +69,8 @@ class ModelRef(_Section):
         if (self.id is None) == (self.path is None):
             raise ValueError("give exactly one of 'id' (a Hub repo) or 'path' (a local directory)")
         if self.id is not None:
-            if self.id.count("/") != 1:
-                raise ValueError(f"'id' must look like 'owner/name', got {self.id!r}")
+            if problem := repo_id_problem(self.id):
+                raise ValueError(f"'id': {problem}")
             if not self.revision:
                 raise ValueError("a Hub 'id' needs a pinned 'revision' (the 40-hex commit sha)")
         elif self.revision is not None:
@@ -89,14 +111,24 @@ class Calibration(_Section):
 class Validation(_Section):
     workloads: Annotated[list[Workload], Field(min_length=1)] = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
     budgets: Annotated[list[Annotated[int, Field(ge=2, le=64)]], Field(min_length=1)] = [4, 8, 16]
-    concurrency: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)] = [1, 32]
+    concurrency: Annotated[list[Annotated[int, Field(ge=1, le=4096)]], Field(min_length=1)] = [1, 32]
     precisions: Annotated[list[Precision], Field(min_length=1)] = ["bf16", "mxfp4"]
     methods: Annotated[list[Method], Field(min_length=1)] = ["ar", "mtp", "dflash"]
     backends: Annotated[list[Backend], Field(min_length=1)] = ["vllm"]
-    num_prompts: Annotated[int, Field(ge=1)] = 128
-    max_tokens: Annotated[int, Field(ge=1)] = 4096
-    warmup_requests: Annotated[int, Field(ge=0)] = 2
+    num_prompts: Annotated[int, Field(ge=1, le=MAX_PROMPTS)] = 128
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 4096
+    warmup_requests: Annotated[int, Field(ge=0, le=1000)] = 2
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _measurable(self) -> Validation:
+        for key in ("workloads", "budgets", "concurrency", "precisions", "methods", "backends"):
+            _no_duplicates(getattr(self, key), key)
+        if "dflash" not in self.methods:
+            raise ValueError("methods: acceptance drift is measured for 'dflash'; add it")
+        if "reference" not in self.backends and 1 not in self.concurrency:
+            raise ValueError("the vLLM backend measures per-prompt acceptance at concurrency 1; add 1 to concurrency")
+        return self
 
 
 class Gate(_Section):
@@ -128,6 +160,14 @@ class Publish(_Section):
     endpoint: str | None = Field(None, description="Hub endpoint; default: HF_ENDPOINT or huggingface.co")
     base_model: str | None = Field(None, description="Hub id of the base model for the card; default: target.id")
 
+    @model_validator(mode="after")
+    def _valid_repo(self) -> Publish:
+        if self.repo_id is not None and (problem := repo_id_problem(self.repo_id)):
+            raise ValueError(f"repo_id: {problem}")
+        if self.endpoint is not None and not re.match(r"^https?://[^\s/]+", self.endpoint):
+            raise ValueError(f"endpoint: {self.endpoint!r} is not an http(s) URL; e.g. 'https://huggingface.co'")
+        return self
+
 
 class Recipe(_Section):
     name: Annotated[str, Field(min_length=1)]
@@ -140,6 +180,14 @@ class Recipe(_Section):
     gate: Gate = Gate()
     serving: Serving = Serving()
     publish: Publish = Publish()
+
+    @model_validator(mode="after")
+    def _never_the_drafter(self) -> Recipe:
+        repo, drafter = self.publish.repo_id, self.drafter.id
+        if repo and drafter and repo.lower() == drafter.lower():
+            raise ValueError(f"publish.repo_id {repo!r} is the drafter's repo; mxspec never modifies the drafter, "
+                             "publish the quantized target to its own repo")
+        return self
 
     def section_hash(self, *sections: str) -> str:
         """sha256 of the named sections, canonically serialised: what a stage's output depends on."""
@@ -203,7 +251,8 @@ def _explain(path: Path, text: str, exc: ValidationError) -> str:
             expected = err.get("ctx", {}).get("expected", "")
             lines.append(f"{where}: '{key}' = {err['input']!r} is not supported; use one of {expected}")
         elif kind == "value_error":
-            lines.append(f"{where}: [{key}] {err['msg'].removeprefix('Value error, ')}")
+            section = f"[{key}] " if loc else ""
+            lines.append(f"{where}: {section}{err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{where}: '{key}' = {err['input']!r}: {err['msg'].lower()}; fix its value")
     return "\n".join(lines)
@@ -225,6 +274,10 @@ def _line_of(text: str, loc: list[str]) -> str:
         return ""
     section, key = loc[:-1], loc[-1]
     lines = text.splitlines()
+    header = re.compile(r"^\s*\[\s*" + r"\s*\.\s*".join(map(re.escape, loc)) + r"\s*\]")
+    found = next((i for i, line in enumerate(lines) if header.match(line)), None)
+    if found is not None:  # the error is about a whole section: point at its header
+        return f":{found + 1}"
     start = 0
     if section:
         header = re.compile(r"^\s*\[\s*" + r"\s*\.\s*".join(map(re.escape, section)) + r"\s*\]")

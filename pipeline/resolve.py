@@ -17,7 +17,12 @@ from pipeline.hashing import HashCache, digest_of
 from pipeline.recipe import ModelRef
 from pipeline.runner import StageContext
 
-RESOLVED_FILE = "resolved.json"
+ROLES = ("target", "drafter")
+
+
+def resolved_file(role: str) -> str:
+    """One file per role, so a stage can depend on the target alone (quantize) or on both (pair)."""
+    return f"{role}.json"
 
 
 class ModelNotAvailableError(ExternalError):
@@ -101,8 +106,7 @@ def resolve_model(ref: ModelRef, role: str, hashes: HashCache | None = None) -> 
 
 def read_resolved(resolve_dir: Path) -> dict[str, ResolvedModel]:
     """The resolve stage's output, as {'target': ..., 'drafter': ...}."""
-    data = json.loads((Path(resolve_dir) / RESOLVED_FILE).read_text())
-    return {role: ResolvedModel(**entry) for role, entry in data.items()}
+    return {role: ResolvedModel(**json.loads((Path(resolve_dir) / resolved_file(role)).read_text())) for role in ROLES}
 
 
 class ResolveStage:
@@ -115,12 +119,10 @@ class ResolveStage:
     def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
         # Local folders are hashed so an edited checkpoint redoes everything downstream; Hub
         # snapshots are pinned by revision, which is part of the recipe sections above.
-        return {role: ref.path for role in ("target", "drafter") if (ref := getattr(ctx.recipe, role)).path}
+        return {role: ref.path for role in ROLES if (ref := getattr(ctx.recipe, role)).path}
 
     def run(self, ctx: StageContext, workdir: Path) -> None:
-        resolved = {role: resolve_model(getattr(ctx.recipe, role), role, ctx.hashes) for role in ("target", "drafter")}
-        for model in resolved.values():
+        for role in ROLES:
+            model = resolve_model(getattr(ctx.recipe, role), role, ctx.hashes)
             ctx.console.print(f"  {model.role}: {model.ref} -> {len(model.files)} files, digest {model.digest[:12]}")
-        (workdir / RESOLVED_FILE).write_text(
-            json.dumps({role: asdict(model) for role, model in resolved.items()}, indent=2, sort_keys=True) + "\n"
-        )
+            (workdir / resolved_file(role)).write_text(json.dumps(asdict(model), indent=2, sort_keys=True) + "\n")

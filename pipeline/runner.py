@@ -21,7 +21,7 @@ from typing import Protocol
 
 from rich.console import Console
 
-from pipeline.atomic import atomic_directory, atomic_write_text, sweep_partials
+from pipeline.atomic import OWNER_MARK, atomic_directory, atomic_write_text, make_dirs, sweep_partials
 from pipeline.errors import BadInputError
 from pipeline.hashing import HashCache, digest_of
 from pipeline.recipe import Recipe
@@ -51,7 +51,7 @@ class Stage(Protocol):
     name: str
     version: int  # bump when the stage's outputs change for the same inputs
     sections: tuple[str, ...]  # recipe sections the outputs depend on
-    requires: tuple[str, ...]  # earlier stages whose outputs are inputs
+    requires: tuple[str, ...]  # earlier stages whose outputs are inputs: "stage", or "stage/file" for one file
     tools: tuple[str, ...]  # packages whose version changes the outputs
     # A stage may also set `always_run = True` to be redone on every run (publish: the remote can change).
 
@@ -85,10 +85,9 @@ def run_stages(
 
     Stages named in `must_be_done` are never run: if one is not up to date the call fails (so a
     publishing job cannot silently re-quantize a checkpoint)."""
-    out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_folder(out)
     console = console or Console(stderr=True)
-    with _exclusive(out):
+    with hold_run_folder(out):
         sweep_partials(out)
         hashes = HashCache(out / STATE_DIR / "hash-cache.json")
         ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console)
@@ -120,6 +119,7 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
         stage.run(ctx, workdir)
         outputs = ctx.hashes.tree(workdir)
         outputs.pop(MANIFEST, None)
+        outputs.pop(OWNER_MARK, None)
         manifest = {
             "schema": MANIFEST_SCHEMA,
             "stage": stage.name,
@@ -148,13 +148,35 @@ def read_manifest(stage_dir: Path) -> dict | None:
     return manifest if manifest.get("schema") == MANIFEST_SCHEMA else None
 
 
+def is_run_folder(path: Path) -> bool:
+    return (Path(path) / STATE_DIR).is_dir()
+
+
+def prepare_run_folder(out: Path) -> Path:
+    """The run folder, created if absent; refused (exit 2) when it is a file, unwritable, or a folder of
+    someone else's files (a run folder is one that holds mxspec's state folder)."""
+    out = Path(out)
+    try:
+        out = out.resolve()
+    except (OSError, RuntimeError):
+        raise BadInputError(f"{out}: the run folder (--out) is a symlink loop; pick another path") from None
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"{out}: the run folder (--out) is an existing file; pick a folder path")
+    if out.is_dir() and not is_run_folder(out) and any(out.iterdir()):
+        raise BadInputError(f"{out}: the run folder (--out) holds files mxspec did not write; "
+                            "pick a new or empty folder (mxspec never writes into someone else's folder)")
+    return make_dirs(out, "run folder (--out)")
+
+
 def _input_hashes(stage: Stage, ctx: StageContext) -> dict[str, str]:
     inputs: dict[str, str] = {}
-    for name in stage.requires:
+    for requirement in stage.requires:
+        name, _, file = requirement.partition("/")
         manifest = read_manifest(ctx.stage_dir(name))
-        if manifest is None:
+        if manifest is None or (file and file not in manifest["outputs"]):
             raise BadInputError(f"stage '{stage.name}' needs the outputs of '{name}' in {ctx.out}; run it first")
-        inputs[f"stage:{name}"] = digest_of(manifest["outputs"])
+        outputs = {file: manifest["outputs"][file]} if file else manifest["outputs"]
+        inputs[f"stage:{requirement}"] = digest_of(outputs)
     for name, path in stage.external_inputs(ctx).items():
         path = Path(path)
         if path.is_dir():
@@ -189,7 +211,7 @@ def _outputs_intact(stage_dir: Path, manifest: dict, ctx: StageContext) -> bool:
 
 
 @contextmanager
-def _exclusive(out: Path) -> Iterator[None]:
+def hold_run_folder(out: Path) -> Iterator[None]:
     """One run per output folder at a time; the lock dies with the process, so a kill never wedges it."""
     state = out / STATE_DIR
     state.mkdir(parents=True, exist_ok=True)

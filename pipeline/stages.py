@@ -12,6 +12,7 @@ from rich.console import Console
 from pipeline.errors import BadInputError
 from pipeline.gate import GateStage
 from pipeline.pair import PairStage
+from pipeline.preflight import preflight
 from pipeline.publish import PublishStage
 from pipeline.quantize import QuantizeStage
 from pipeline.recipe import Recipe
@@ -40,4 +41,5 @@ def run_pipeline(
         raise BadInputError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(names)}")
     stages = PIPELINE[: names.index(until) + 1] if until else PIPELINE
     must_be_done = tuple(stage.name for stage in stages[:-1]) if only_last else ()
+    preflight(recipe, out)
     return run_stages(recipe, out, stages, force=force, must_be_done=must_be_done, console=console)

