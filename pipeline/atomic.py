@@ -59,8 +59,9 @@ def check_replaceable(path: Path, what: str = "output folder") -> None:
         raise BadInputError(f"{path}: the {what} cannot be inspected ({_why(exc)}); pick another path") from None
 
 
-def make_dirs(path: Path, what: str = "output folder") -> Path:
-    """mkdir -p with one clear line for the ways a user-given path can be unusable."""
+def make_dirs(path: Path, what: str = "output folder", shown: Path | None = None) -> Path:
+    """mkdir -p with one clear line (naming `shown`, default `path`) for the ways a user-given path can
+    be unusable."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -68,14 +69,14 @@ def make_dirs(path: Path, what: str = "output folder") -> Path:
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise BadInputError(f"{path}: cannot use it as the {what} ({_why(exc)}); pick a writable folder") from None
+        raise BadInputError(f"{shown or path}: cannot use it as the {what} ({_why(exc)}); pick a writable folder") from None
     return path
 
 
 def _why(exc: OSError) -> str:
     reasons = {errno.ENOTDIR: "a part of the path is a file", errno.EEXIST: "a file is in the way",
                errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
-               errno.ELOOP: "symlink loop", errno.ENOENT: "a part of the path does not exist",
+               errno.ELOOP: "symlink loop", errno.ENOENT: "it cannot be created there",
                errno.ENOSPC: "no space left on the device", errno.ENAMETOOLONG: "name too long"}
     return reasons.get(exc.errno, exc.strerror or exc.__class__.__name__)
 
@@ -93,7 +94,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     if Path.cwd() == final or final in Path.cwd().parents:
         raise BadInputError(f"{final}: the output folder holds the current folder; pick a subfolder instead")
     check_replaceable(final)
-    make_dirs(final.parent)
+    make_dirs(final.parent, shown=final)
     token = uuid.uuid4().hex[:8]
     tmp = final.with_name(f".{final.name}{TMP_MARK}{token}")
     try:

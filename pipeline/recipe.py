@@ -206,8 +206,13 @@ def load_recipe(path: str | Path) -> Recipe:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(f"{path}: recipe not found; pass the path of a .toml file (see recipes/)") from None
-    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc.__class__.__name__}); pass a UTF-8 .toml file") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: the recipe is not UTF-8 text; pass a UTF-8 .toml file") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc.__class__.__name__}); "
+                          "pass a readable .toml file") from None
+    if not text.strip():
+        raise RecipeError(f"{path}: the recipe is empty; start from one in recipes/ (e.g. recipes/reference-cpu.toml)")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

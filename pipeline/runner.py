@@ -163,7 +163,7 @@ def prepare_run_folder(out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise BadInputError(f"{out}: the run folder (--out) is an existing file; pick a folder path")
     if out.is_dir() and not is_run_folder(out) and any(out.iterdir()):
-        raise BadInputError(f"{out}: the run folder (--out) holds files mxspec did not write; "
+        raise BadInputError(f"{out}: the run folder (--out) holds files not written by mxspec; "
                             "pick a new or empty folder (mxspec never writes into someone else's folder)")
     return make_dirs(out, "run folder (--out)")
 
