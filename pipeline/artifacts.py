@@ -1,4 +1,5 @@
-"""Typed artifacts: the validate report as its writer emits it and its readers (the gate) check it.
+"""Typed artifacts: stage manifests, and the validate report as its writer emits it and its readers
+(the gate) check it.
 
 No torch here: the gate, the card and the CLI's light commands read reports without it. A report is
 checked twice on read: against its schema (types, no NaN or infinity, no unknown keys) and against
@@ -11,13 +12,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import BadInputError
 from pipeline.recipe import Gate
 
+MANIFEST_SCHEMA = 1
 VALIDATE_SCHEMA = "mxspec.validate/2"
 Verdict = Literal["pass", "fail", "inconclusive"]
 # How far a drift row's figures may sit from the same figures recomputed from its cells (float noise).
@@ -25,6 +27,37 @@ CONSISTENCY_TOLERANCE = 1e-6
 
 Interval = tuple[float, float]
 Rate = Annotated[float, Field(ge=0, le=1)]
+
+
+VOLATILE: dict[str, Any] = {"volatile": True}  # json_schema_extra of a field that differs between identical runs
+
+
+def volatile_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of an artifact model declared volatile (timings, measurements): left out when two
+    runs' artifacts are compared."""
+    return frozenset(name for name, info in model.model_fields.items()
+                     if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("volatile"))
+
+
+class StageManifest(BaseModel):
+    """OUT/<stage>/manifest.json: what a stage's outputs were made from, and what they are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_: Literal[1] = Field(MANIFEST_SCHEMA, alias="schema")
+    stage: str
+    stage_version: int
+    fingerprint: str
+    recipe_name: str
+    recipe_sha256: str
+    config_sha256: str
+    inputs: dict[str, str]  # "stage:NAME" or "external:NAME" -> digest
+    versions: dict[str, str]
+    outputs: dict[str, str]  # file under the stage folder -> sha256
+    started_at: str = Field(json_schema_extra=VOLATILE)
+    finished_at: str = Field(json_schema_extra=VOLATILE)
+    duration_s: float = Field(json_schema_extra=VOLATILE)
+    measured: dict[str, float] = Field(default_factory=dict, json_schema_extra=VOLATILE)
 
 
 class _Artifact(BaseModel):
@@ -80,14 +113,14 @@ class ServedRow(_Artifact):
     concurrency: Annotated[int, Field(ge=1)]
     num_prompts: int
     output_tokens: int
-    wall_s: float
-    throughput_tok_s: float
-    latency_p50_s: float
-    latency_max_s: float
+    wall_s: float = Field(json_schema_extra=VOLATILE)
+    throughput_tok_s: float = Field(json_schema_extra=VOLATILE)
+    latency_p50_s: float = Field(json_schema_extra=VOLATILE)
+    latency_max_s: float = Field(json_schema_extra=VOLATILE)
     mean_acceptance_length: float | None
     per_position_acceptance: list[float] | None
     num_drafts: int
-    speedup: float | None = None
+    speedup: float | None = Field(None, json_schema_extra=VOLATILE)
     identical_to_ar: float | None = None
     acceptance_length_measured: float | None = None
 

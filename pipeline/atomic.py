@@ -73,6 +73,13 @@ def make_dirs(path: Path, what: str = "output folder", shown: Path | None = None
     return path
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """The write failed for want of space (or quota): an OSError, or a library's wrapped "os error 28"."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "os error 28" in str(exc)
+
+
 def _why(exc: OSError) -> str:
     reasons = {errno.ENOTDIR: "a part of the path is a file", errno.EEXIST: "a file is in the way",
                errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted",

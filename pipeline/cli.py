@@ -201,7 +201,7 @@ def publish(
     same files again makes no commit. Refuses a checkpoint whose gate did not pass unless --force.
     The drafter is never uploaded. Several RECIPE=OUT pairs make one publishing job with a summary.
     Token: HF_TOKEN or `hf auth login`; endpoint: the recipe's publish.endpoint, else HF_ENDPOINT, else huggingface.co."""
-    from pipeline.publish import publish_runs
+    from pipeline.jobs import publish_runs
 
     jobs = []
     for item in runs:

@@ -7,6 +7,13 @@ and a publish killed half-way resumes: LFS objects already on the Hub are not se
 batch API says so) and the commit is only created once everything is uploaded. After the commit the
 remote tree is listed again and every file is compared with its local bytes.
 
+Faults: every request has a time limit (MXSPEC_HUB_TIMEOUT_S, default 300 s per read or write). Reads,
+`create_repo(exist_ok)`, tags and LFS uploads are retried on 408/429/5xx and dropped connections,
+waiting as long as a 429's Retry-After asks. A commit is the one step that is not idempotent: after a
+failed or unanswered commit the branch is read again, and the commit is retried only if no commit
+holding exactly these files has landed; a commit that landed while its answer was lost is taken as
+ours. The commit names its parent, so even a retry that races a landed commit cannot make a second one.
+
 Guards: a gate that did not pass refuses the upload unless forced, and the drafter is never uploaded
 or touched (it is only named, with its revision and hashes, in the card). The Hub token comes from
 the environment or the Hub's own login and never appears in output, reports, the card or errors.
@@ -18,9 +25,14 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.artifacts import VOLATILE
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError, ExternalError, GateFailedError
 from pipeline.gate import read_verdict
@@ -33,6 +45,9 @@ CARD_FILE = "README.md"
 REPORTS = (("quantize", "mxspec-quantize.json"), ("pair", "pair.json"), ("validate", "report.json"),
            ("validate", "report.md"), ("gate", "verdict.json"), ("gate", "summary.md"))
 DEFAULT_ENDPOINT = "https://huggingface.co"
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+ATTEMPTS = 5  # per step: the first try and four retries
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # drafter files that must never be uploaded (a shared
 # tokenizer file may legitimately have the same bytes in both repos)
 
@@ -64,19 +79,24 @@ class PublishPlan:
         return sum(f.size for f in self.files)
 
 
-@dataclass(frozen=True)
-class PublishResult:
+class PublishResult(BaseModel):
+    """publish/publish.json after an upload. The Hub's commit id and what this attempt sent are declared
+    volatile: a publish resumed after a kill finds its commit already made and records that instead."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    published: Literal[True] = True
     repo_id: str
     endpoint: str
-    revision: str  # the commit that holds the files
-    created_commit: bool  # False when the Hub already had exactly these files
-    uploaded: list[str]  # files sent in the commit (empty when nothing changed)
+    revision: str = Field(json_schema_extra=VOLATILE)  # the commit that holds the files (its id includes its time)
+    created_commit: bool = Field(json_schema_extra=VOLATILE)  # False when the Hub already had exactly these files
+    uploaded: list[str] = Field(json_schema_extra=VOLATILE)  # files sent in the commit (empty when nothing changed)
     verified: int  # files whose remote size and sha256 matched the local bytes
     pr_url: str | None = None
     tag: str | None = None
     gate_verdict: str = ""
     forced: bool = False
-    files: dict[str, str] = field(default_factory=dict)  # path in repo -> sha256
+    files: dict[str, str] = Field(default_factory=dict)  # path in repo -> sha256
 
 
 def hub_endpoint(recipe: Recipe) -> str:
@@ -133,32 +153,128 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
 
 def publish_plan(plan: PublishPlan, token: str, *, gate_verdict: str = "", forced: bool = False) -> PublishResult:
     """Create the repo if needed, commit what differs from the remote, tag, verify. Idempotent."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import HfApi
 
     api = HfApi(endpoint=plan.endpoint, token=token)
     with _hub_errors(plan, token):
-        api.create_repo(plan.repo_id, private=plan.private, exist_ok=True)
-        head = _head_commit(api, plan.repo_id)
-        remote = _remote_files(api, plan.repo_id, head) if head else {}
+        _retried(lambda: api.create_repo(plan.repo_id, private=plan.private, exist_ok=True))
+        head = _retried(lambda: _head_commit(api, plan.repo_id))
+        remote = _retried(lambda: _remote_files(api, plan.repo_id, head)) if head else {}
         changed = [f for f in plan.files if not _same(f, remote.get(f.path_in_repo))]
-        pr_url = None
-        if changed:
-            info = api.create_commit(
-                plan.repo_id,
-                operations=[CommitOperationAdd(f.path_in_repo, str(f.local)) for f in changed],
-                commit_message=plan.commit_message,
-                create_pr=plan.create_pr,
-                parent_commit=head,
-            )
-            revision, pr_url = info.oid, info.pr_url
-        else:
-            revision = head
+        revision, pr_url = (_commit(api, plan, changed, head) if changed else (head, None))
         if plan.tag and not plan.create_pr:
-            _ensure_tag(api, plan.repo_id, plan.tag, revision)
-        verified = verify_upload(api, plan, revision)
-    return PublishResult(plan.repo_id, plan.endpoint, revision, bool(changed), [f.path_in_repo for f in changed],
-                         verified, pr_url, plan.tag if not plan.create_pr else None, gate_verdict, forced,
-                         {f.path_in_repo: f.sha256 for f in plan.files})
+            _retried(lambda: _ensure_tag(api, plan.repo_id, plan.tag, revision))
+        verified = _retried(lambda: verify_upload(api, plan, revision))
+    return PublishResult(repo_id=plan.repo_id, endpoint=plan.endpoint, revision=revision, created_commit=bool(changed),
+                         uploaded=[f.path_in_repo for f in changed], verified=verified, pr_url=pr_url,
+                         tag=plan.tag if not plan.create_pr else None, gate_verdict=gate_verdict, forced=forced,
+                         files={f.path_in_repo: f.sha256 for f in plan.files})
+
+
+def _commit(api, plan: PublishPlan, changed: list[UploadFile], head: str | None) -> tuple[str, str | None]:
+    """Upload the LFS objects (idempotent, retried), then commit once: (revision, PR url)."""
+    from huggingface_hub import CommitOperationAdd
+
+    operations = [CommitOperationAdd(f.path_in_repo, str(f.local)) for f in changed]
+    _retried(lambda: api.preupload_lfs_files(plan.repo_id, additions=operations, create_pr=plan.create_pr))
+    open_prs = _retried(lambda: _pull_requests(api, plan.repo_id)) if plan.create_pr else set()
+    for attempt in range(ATTEMPTS):
+        try:
+            info = api.create_commit(plan.repo_id, operations=operations, commit_message=plan.commit_message,
+                                     create_pr=plan.create_pr, parent_commit=head)
+            return info.oid, info.pr_url
+        except Exception as exc:
+            if not _retryable(exc):
+                raise
+            landed = _retried(lambda: _landed_commit(api, plan, head, open_prs))
+            if landed is not None:  # the commit went through, its answer did not
+                return landed
+            if attempt == ATTEMPTS - 1:
+                raise
+            time.sleep(_wait_s(exc, attempt))
+    raise AssertionError("unreachable")
+
+
+def _pull_requests(api, repo_id: str) -> set[str]:
+    return {ref.ref for ref in api.list_repo_refs(repo_id, include_pull_requests=True).pull_requests or []}
+
+
+def _landed_commit(api, plan: PublishPlan, head: str | None, open_prs: set[str]) -> tuple[str, str | None] | None:
+    """A commit made since `head` whose files are exactly the planned ones (an earlier try of ours), or None.
+
+    On main: the branch moved and its tree holds our files. For a pull request: a PR opened since
+    `open_prs` holds them. Main moving to something else means someone else committed: refuse rather
+    than commit on top of it."""
+    refs = api.list_repo_refs(plan.repo_id, include_pull_requests=plan.create_pr)
+    if plan.create_pr:
+        candidates = [(ref.target_commit, f"{plan.endpoint}/{plan.repo_id}/discussions/{ref.ref.rsplit('/', 1)[-1]}")
+                      for ref in (refs.pull_requests or []) if ref.ref not in open_prs]
+    else:
+        main = next((b.target_commit for b in refs.branches if b.name == "main"), None)
+        candidates = [(main, None)] if main and main != head else []
+    for revision, pr_url in candidates:
+        remote = _remote_files(api, plan.repo_id, revision)
+        if all(_same(f, remote.get(f.path_in_repo)) for f in plan.files):
+            return revision, pr_url
+    if candidates and not plan.create_pr:
+        raise HubError(f"{plan.repo_id}: main moved to {candidates[0][0][:12]} while publishing (someone else "
+                       "committed); run `mxspec publish` again to publish on top of it")
+    return None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A fault worth another try: 408/429/5xx, or the connection failed or timed out."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        return exc.response is not None and exc.response.status_code in RETRY_STATUSES
+    return isinstance(exc, _transport_errors())
+
+
+def _wait_s(exc: BaseException, attempt: int) -> float:
+    """A 429's Retry-After (seconds), else exponential backoff."""
+    response = getattr(exc, "response", None)
+    value = response.headers.get("Retry-After", "") if response is not None else ""
+    return float(value) if value.strip().isdigit() else BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+
+
+def _retried(call):
+    """`call()`, tried again on a retryable fault; only for steps that are safe to repeat."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return call()
+        except Exception as exc:
+            if attempt == ATTEMPTS - 1 or not _retryable(exc):
+                raise
+            time.sleep(_wait_s(exc, attempt))
+    raise AssertionError("unreachable")
+
+
+def configure_hub_client() -> None:
+    """Give huggingface_hub's shared HTTP client time limits (its default waits forever on a silent server)."""
+    import httpx2
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    limit_s = hub_timeout_s()
+
+    def factory():
+        client = default_client_factory()
+        client.timeout = httpx2.Timeout(limit_s, connect=min(limit_s, 30.0))
+        return client
+
+    set_client_factory(factory)
+
+
+def hub_timeout_s() -> float:
+    raw = os.environ.get("MXSPEC_HUB_TIMEOUT_S", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise BadInputError(f"MXSPEC_HUB_TIMEOUT_S={raw!r} is not a positive number of seconds; unset it or set e.g. 300")
+    return value
 
 
 def verify_upload(api, plan: PublishPlan, revision: str) -> int:
@@ -260,6 +376,9 @@ class _hub_errors:
                 message = f"the Hub at {self.plan.endpoint} refused the token ({status}); check HF_TOKEN's write access to {self.plan.repo_id}"
             else:
                 message = f"the Hub at {self.plan.endpoint} answered {status}: {first}"
+        elif "Timeout" in exc.__class__.__name__:
+            message = (f"the Hub at {self.plan.endpoint} did not answer within {hub_timeout_s():g} s, "
+                       f"{ATTEMPTS} times; try again later, or raise MXSPEC_HUB_TIMEOUT_S")
         elif isinstance(exc, (*_transport_errors(), OSError)):
             message = f"cannot reach the Hub at {self.plan.endpoint} ({exc.__class__.__name__}); check the network or HF_ENDPOINT"
         else:
@@ -289,10 +408,11 @@ class PublishStage:
         recipe = ctx.recipe
         if not recipe.publish.repo_id:
             (workdir / PUBLISH_FILE).write_text(json.dumps({"published": False, "reason": "no [publish] repo_id"}) + "\n")
-            ctx.console.print("  publish: no [publish] repo_id in the recipe; nothing uploaded")
+            ctx.console.print("  publish: no \\[publish] repo_id in the recipe; nothing uploaded")
             return
         plan = plan_publish(recipe, ctx.out, workdir, ctx.hashes, force=self.force)  # refuses a failed gate first
         token = hub_token()
+        configure_hub_client()
         gate = read_verdict(ctx.stage_dir("gate"))
         result = publish_plan(plan, token, gate_verdict=gate["verdict"], forced=not gate["passed"])
         write_result(result, workdir)
@@ -302,70 +422,4 @@ class PublishStage:
 
 
 def write_result(result: PublishResult, folder: Path) -> None:
-    (folder / PUBLISH_FILE).write_text(json.dumps({"published": True, **asdict(result)}, indent=2) + "\n")
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """One line of a publishing job's summary."""
-
-    recipe: str
-    repo_id: str
-    result: str
-    revision: str = ""
-    files: str = ""
-    error: str = ""
-    exit_code: int = 0
-
-    def row(self) -> tuple[str, ...]:
-        return (self.recipe, self.repo_id, self.error or self.result, self.revision[:12], self.files)
-
-
-def publish_runs(jobs: list[tuple[Recipe, Path]], *, dry_run: bool = False, force: bool = False, console=None) -> list[JobOutcome]:
-    """A publishing job: publish (or plan) each (recipe, run folder); one failure does not stop the rest."""
-    from pipeline.errors import MxspecError
-
-    outcomes = []
-    for recipe, out in jobs:
-        repo = recipe.publish.repo_id or "-"
-        try:
-            outcomes.append(_plan_only(recipe, out, force) if dry_run else _publish_one(recipe, out, force, console))
-        except MxspecError as exc:
-            outcomes.append(_failed(recipe, repo, str(exc), exc.exit_code, console))
-        except Exception as exc:  # a bug in one job must not stop the others; the summary names it
-            outcomes.append(_failed(recipe, repo, f"internal error: {exc.__class__.__name__}: {exc}", 3, console))
-    return outcomes
-
-
-def _failed(recipe: Recipe, repo: str, message: str, exit_code: int, console) -> JobOutcome:
-    from rich.markup import escape
-
-    if console:
-        console.print(f"[red]error:[/] {escape(recipe.name)}: {escape(message)}")
-    return JobOutcome(recipe.name, repo, "failed", error=message.splitlines()[0], exit_code=exit_code)
-
-
-def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
-    from pipeline.runner import run_stages
-    from pipeline.stages import PIPELINE
-
-    if not recipe.publish.repo_id:
-        raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")
-    earlier = tuple(stage for stage in PIPELINE if stage.name != PublishStage.name)
-    run_stages(recipe, out, (*earlier, PublishStage(force=force)), must_be_done=[s.name for s in earlier], console=console)
-    result = json.loads((Path(out) / "publish" / PUBLISH_FILE).read_text())
-    state = "new commit" if result["created_commit"] else "unchanged (no commit)"
-    if result.get("pr_url"):
-        state += f", PR {result['pr_url']}"
-    return JobOutcome(recipe.name, result["repo_id"], state, result["revision"],
-                      f"{result['verified']} verified, {len(result['uploaded'])} uploaded")
-
-
-def _plan_only(recipe: Recipe, out: Path, force: bool) -> JobOutcome:
-    with tempfile.TemporaryDirectory() as card_dir:
-        hashes = HashCache(Path(out) / ".mxspec" / "hash-cache.json")
-        plan = plan_publish(recipe, out, Path(card_dir), hashes, force=force)
-    size = plan.total_bytes / 1e9
-    where = f"{plan.endpoint}/{plan.repo_id}" + (" (PR)" if plan.create_pr else "") + (f", tag {plan.tag}" if plan.tag else "")
-    return JobOutcome(recipe.name, plan.repo_id, f"would upload to {where}: {plan.commit_message}", "",
-                      f"{len(plan.files)} files, {size:.2f} GB")
+    (folder / PUBLISH_FILE).write_text(result.model_dump_json(indent=2) + "\n")

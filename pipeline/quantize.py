@@ -17,15 +17,20 @@ import os
 import re
 import resource
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.architectures import linear_layers_from_tensors
+from pipeline.atomic import is_disk_full
 from pipeline.errors import BadInputError, ExternalError
-from pipeline.exclusions import MTP_PATTERN, check_exclusions, default_exclusions, excluded_layers
+from pipeline.exclusions import (
+    MTP_PATTERN,
+    check_exclusions,
+    default_exclusions,
+    excluded_layers,
+)
 from pipeline.recipe import Calibration, Quantization
 from pipeline.runner import StageContext
 
@@ -138,8 +143,6 @@ class QuantizeSummary:
     quantized_layers: int
     excluded_layers: int
     carried_over_tensors: int
-    seconds: float
-    peak_rss_gib: float
     verification: dict = field(default_factory=dict)
 
 
@@ -330,7 +333,6 @@ def logit_agreement(source: Path, out: Path, windows) -> dict:
 
 def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration: Calibration | None = None) -> QuantizeSummary:
     """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary."""
-    started = time.time()
     checkpoint = read_checkpoint(source)
     patterns = plan_exclusions(checkpoint, spec)
     mode = choose_mode(spec, checkpoint)
@@ -345,6 +347,8 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
     except (BadInputError, ExternalError):
         raise
     except Exception as exc:
+        if is_disk_full(exc):
+            raise  # the machine's problem, not Quark's: the runner says so
         raise ExternalError(f"Quark failed to quantize {source} ({exc.__class__.__name__}: {exc})") from None
     carried = _carry_over(checkpoint, out)
     verification = verify_export(checkpoint, out, patterns)
@@ -364,8 +368,6 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
         quantized_layers=verification["bit_exact_tensors"],
         excluded_layers=len(excluded_layers(layers, patterns)),
         carried_over_tensors=carried,
-        seconds=round(time.time() - started, 2),
-        peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         verification=verification,
     )
 
@@ -380,7 +382,7 @@ class QuantizeStage:
     def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
         return {}
 
-    def run(self, ctx: StageContext, workdir: Path) -> None:
+    def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
         from pipeline.resolve import read_resolved
         from pipeline.versions import tool_versions
 
@@ -397,3 +399,5 @@ class QuantizeStage:
             f"bit-exact vs the OCP MX encoder"
             + (f"; top-1 agreement {logits['top1_agreement']:.3f}, KL {logits['kl_bf16_to_mxfp4']:.4f}" if logits else "")
         )
+        # The process's peak so far: quantize is the run's first heavy stage, so this is its peak.
+        return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}

@@ -5,6 +5,11 @@ Every stage writes into a temp folder that is renamed into place only when compl
 versions) and what it is (sha256 of each output file). A stage is skipped when its manifest's
 fingerprint matches and its outputs still hash as recorded; otherwise it is redone. So a run killed
 at any moment and started again finishes with the same artifacts.
+
+"The same" means byte for byte, except the fields a schema declares volatile (`pipeline.artifacts.volatile_fields`):
+when a stage ran and how long it took, and what a stage measured about itself (`Stage.run` may
+return measurements such as peak memory; they go into the manifest, never into the outputs, so
+they change no digest and redo no later stage).
 """
 
 from __future__ import annotations
@@ -19,16 +24,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from pydantic import ValidationError
 from rich.console import Console
 
-from pipeline.atomic import OWNER_MARK, atomic_directory, atomic_write_text, make_dirs, sweep_partials
-from pipeline.errors import BadInputError
+from pipeline.artifacts import StageManifest
+from pipeline.atomic import (
+    OWNER_MARK,
+    atomic_directory,
+    atomic_write_text,
+    is_disk_full,
+    make_dirs,
+    sweep_partials,
+)
+from pipeline.errors import BadInputError, ExternalError
 from pipeline.hashing import HashCache, digest_of
 from pipeline.recipe import Recipe
 from pipeline.versions import tool_versions
 
 MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = 1
 STATE_DIR = ".mxspec"
 
 
@@ -59,8 +72,9 @@ class Stage(Protocol):
         """Files or folders outside OUT whose content the outputs depend on."""
         ...
 
-    def run(self, ctx: StageContext, workdir: Path) -> None:
-        """Write the stage's outputs into `workdir` (an empty folder)."""
+    def run(self, ctx: StageContext, workdir: Path) -> dict[str, float] | None:
+        """Write the stage's outputs into `workdir` (an empty folder); optionally return measurements
+        of the work itself (seconds, peak memory), which the manifest records."""
         ...
 
 
@@ -96,7 +110,10 @@ def run_stages(
             for stage in stages:
                 results.append(_run_one(stage, ctx, force=stage.name in force, must_be_done=stage.name in must_be_done))
         finally:
-            hashes.save()
+            try:
+                hashes.save()
+            except OSError:
+                pass  # a cache of file hashes only (a full disk, say): the next run hashes again
     return results
 
 
@@ -115,37 +132,50 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
 
     ctx.console.print(f"[bold]→ {stage.name}[/]")
     started = time.time()
-    with atomic_directory(final) as workdir:
-        stage.run(ctx, workdir)
+    with atomic_directory(final) as workdir, _disk_full_is_external(stage, ctx):
+        measured = stage.run(ctx, workdir) or {}
         outputs = ctx.hashes.tree(workdir)
         outputs.pop(MANIFEST, None)
         outputs.pop(OWNER_MARK, None)
-        manifest = {
-            "schema": MANIFEST_SCHEMA,
-            "stage": stage.name,
-            "stage_version": stage.version,
-            "fingerprint": fingerprint,
-            "recipe_name": ctx.recipe.name,
-            "recipe_sha256": ctx.recipe.sha256,
-            "config_sha256": ctx.recipe.section_hash(*stage.sections),
-            "inputs": inputs,
-            "versions": tool_versions(),
-            "outputs": outputs,
-            "started_at": _iso(started),
-            "finished_at": _iso(time.time()),
-            "duration_s": round(time.time() - started, 3),
-        }
+        manifest = StageManifest(
+            stage=stage.name,
+            stage_version=stage.version,
+            fingerprint=fingerprint,
+            recipe_name=ctx.recipe.name,
+            recipe_sha256=ctx.recipe.sha256,
+            config_sha256=ctx.recipe.section_hash(*stage.sections),
+            inputs=inputs,
+            versions=tool_versions(),
+            outputs=outputs,
+            started_at=_iso(started),
+            finished_at=_iso(time.time()),
+            duration_s=round(time.time() - started, 3),
+            measured=measured,
+        ).model_dump(by_alias=True)
         atomic_write_text(workdir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     ctx.console.print(f"[green]✓[/] {stage.name}: done in {manifest['duration_s']:.1f} s")
     return StageResult(stage.name, False, final, manifest)
 
 
-def read_manifest(stage_dir: Path) -> dict | None:
+@contextmanager
+def _disk_full_is_external(stage: Stage, ctx: StageContext) -> Iterator[None]:
+    """A full disk is the machine's problem, not a bug: one line (exit 3); the stage's temp folder goes."""
     try:
-        manifest = json.loads((Path(stage_dir) / MANIFEST).read_text())
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        yield
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        raise ExternalError(f"{ctx.out}: no space left on the device while writing stage '{stage.name}'; "
+                            f"free space there or choose another --out, then run again (earlier stages are kept)") from None
+
+
+def read_manifest(stage_dir: Path) -> dict | None:
+    """The stage's manifest as a dict, or None when it is missing or not a valid manifest (the stage is redone)."""
+    try:
+        manifest = StageManifest.model_validate_json((Path(stage_dir) / MANIFEST).read_bytes())
+    except (FileNotFoundError, NotADirectoryError, ValidationError):
         return None
-    return manifest if manifest.get("schema") == MANIFEST_SCHEMA else None
+    return manifest.model_dump(by_alias=True)
 
 
 def is_run_folder(path: Path) -> bool:

@@ -15,6 +15,15 @@ Layout under --root; every write is atomic (temp file + rename), so a killed ser
 
 The token is never written to disk nor logged: log lines are "METHOD path status", without query strings.
 
+Faults, for tests of the client's retries: POST /_local/faults with a JSON list of rules, each
+    {"method": "POST", "path": "<regex on the path>", "times": 1, "action": ...}
+where action is one of
+    {"status": 500}                        answer this status (and do nothing)
+    {"status": 429, "retry_after": 1}      the same, with a Retry-After header
+    {"drop": true}                         read part of the request, then close the connection unanswered
+    {"answer_after_s": 10}                 do the work (a commit lands), then wait before answering: a timeout
+A rule fires on the next `times` matching requests, then is spent. GET /_local/faults lists what is left.
+
 Usage: python scripts/local_hub.py --root DIR [--host 127.0.0.1] [--port 0] [--token T | env LOCAL_HUB_TOKEN]
 """
 
@@ -232,6 +241,22 @@ def file_json(path: str, entry: Entry, *, sibling: bool = False) -> dict:
     return {**out, "lfs": {"oid": entry["sha256"], **lfs}} if lfs else out
 
 
+class _LateAnswer:
+    """A response stream whose first write waits: the request's work is done, its answer arrives too late."""
+
+    def __init__(self, stream: IO[bytes], delay_s: float):
+        self.stream, self.delay_s = stream, delay_s
+
+    def write(self, data: bytes) -> int:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+            self.delay_s = 0.0
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 class LocalHubServer(ThreadingHTTPServer):
     """The HTTP server: the store, the token, the user name, and an in-memory request log for tests."""
 
@@ -244,6 +269,7 @@ class LocalHubServer(ThreadingHTTPServer):
         self.upload_key = secrets.token_bytes(32)  # signs LFS upload URLs, which the client PUTs without auth
         self.requests: list[dict[str, Any]] = []
         self.requests_lock = threading.Lock()
+        self.faults: list[dict[str, Any]] = []  # rules still to fire, guarded by requests_lock
         self.url = "http://%s:%d" % self.server_address[:2]
 
 
@@ -266,18 +292,64 @@ class HubHandler(BaseHTTPRequestHandler):
         self.query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         streamed = self.command == "PUT"  # LFS objects are streamed to disk, not read into memory
         closing = {"Connection": "close"} if streamed else {}  # on error its body may be unread: drop the connection
+        fault = None if url.path.startswith("/_local/faults") else self._take_fault(url.path)
         try:
+            if fault is not None and (fault.get("drop") or "status" in fault):
+                return self._inject(fault, url.path)
             self.body = b"" if streamed else b"".join(self._body_chunks())
             self.authenticated = self._check_token()
             handler, args = self._route(url.path)
+            if fault is not None:  # answer_after_s: the work is done, the answer comes too late
+                self.wfile = _LateAnswer(self.wfile, float(fault["answer_after_s"]))
             handler(*args)
         except HubError as err:
             self._send_json({"error": err.message}, err.status, {**err.headers, **closing})
         except (json.JSONDecodeError, KeyError, ValueError, TypeError) as err:
             self._send_json({"error": f"Bad request: {err!r}"}, 400, closing)
 
+    def _take_fault(self, path: str) -> dict[str, Any] | None:
+        """The first armed rule matching this request, counted down; None when no fault is due."""
+        with self.server.requests_lock:
+            for rule in self.server.faults:
+                if rule.get("method", self.command) == self.command and re.search(rule["path"], path):
+                    rule["times"] = rule.get("times", 1) - 1
+                    self.server.faults = [r for r in self.server.faults if r["times"] > 0]
+                    return rule
+        return None
+
+    def _inject(self, fault: dict[str, Any], path: str) -> None:
+        """Answer an error status without doing the work, or drop the connection part-way through the request."""
+        if fault.get("drop"):
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(min(length // 2, CHUNK))  # mid-upload: some bytes arrived, then the line went dead
+            self.close_connection = True
+            with self.server.requests_lock:
+                self.server.requests.append({"method": self.command, "path": path, "status": 0})
+            self.connection.shutdown(2)
+            return
+        self.close_connection = True  # the request body is left unread
+        headers = {"Connection": "close"}
+        if "retry_after" in fault:
+            headers["Retry-After"] = str(fault["retry_after"])
+        self._send_json({"error": f"injected fault: HTTP {fault['status']}"}, int(fault["status"]), headers)
+
+    def _set_faults(self) -> None:
+        rules = json.loads(self.body)
+        for rule in rules:
+            re.compile(rule["path"])
+            if not (rule.get("drop") or "status" in rule or "answer_after_s" in rule):
+                raise HubError(400, f"Fault without an action: {rule}")
+        with self.server.requests_lock:
+            self.server.faults = [{**rule, "times": int(rule.get("times", 1))} for rule in rules]
+        self._send_json({"faults": len(rules)})
+
     def _route(self, path: str) -> tuple[Callable[..., None], tuple]:
         method = self.command
+        if (path, method) == ("/_local/faults", "POST"):
+            return self._set_faults, ()
+        if (path, method) == ("/_local/faults", "GET"):
+            with self.server.requests_lock:
+                return self._send_json, ({"faults": list(self.server.faults)},)
         if (path, method) == ("/api/whoami-v2", "GET"):
             return self._whoami, ()
         if (path, method) == ("/api/repos/create", "POST"):

@@ -235,3 +235,15 @@ def test_restart_after_kill_serves_the_same_repos(tmp_path: Path) -> None:
     assert "POST /api/models/local-user/mxfp4-model/commit/main 200" in server_output
     assert TOKEN not in server_output and "Authorization" not in server_output
     assert not [p for p in root.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+
+
+def test_an_injected_fault_fires_once_then_the_hub_answers_again(hub):
+    request = urllib.request.Request(f"{hub}/_local/faults", method="POST",
+                                     data=json.dumps([{"method": "GET", "path": "whoami", "status": 503}]).encode())
+    urllib.request.urlopen(request).read()
+    client = HfApi(endpoint=hub, token=TOKEN)
+    with pytest.raises(HfHubHTTPError) as failed:
+        client.whoami()
+    assert failed.value.response.status_code == 503
+    assert client.whoami()["name"] == "local-user"
+    assert [r["status"] for r in requests_log(hub) if "whoami" in r["path"]] == [503, 200]

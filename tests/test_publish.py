@@ -230,3 +230,94 @@ def test_bad_token_and_missing_token_fail_with_one_line(mxspec, run, hub):
     missing = mxspec("publish", f"{recipe}={out}", env={**env, "HF_TOKEN": ""})
     assert missing.returncode == 2 and "HF_TOKEN" in missing.stderr
     assert "Traceback" not in wrong.stderr + missing.stderr
+
+
+# --- Hub faults ---------------------------------------------------------------------------------
+
+COMMIT, PREUPLOAD, LFS_PUT = r"/commit/", r"/preupload/", r"^/_local/lfs/"
+# (name, rules): each fires once (or `times`) on the local Hub; publish must still end verified with one commit.
+SURVIVABLE = [
+    ("preupload 500", [{"method": "POST", "path": PREUPLOAD, "status": 500}]),
+    ("preupload 429 + Retry-After", [{"method": "POST", "path": PREUPLOAD, "status": 429, "retry_after": 1}]),
+    ("LFS upload 500", [{"method": "PUT", "path": LFS_PUT, "status": 500}]),
+    ("LFS upload 429 + Retry-After", [{"method": "PUT", "path": LFS_PUT, "status": 429, "retry_after": 1}]),
+    ("LFS upload dropped mid-body", [{"method": "PUT", "path": LFS_PUT, "drop": True}]),
+    ("commit 500", [{"method": "POST", "path": COMMIT, "status": 500}]),
+    ("commit 429 + Retry-After", [{"method": "POST", "path": COMMIT, "status": 429, "retry_after": 1}]),
+    ("commit dropped", [{"method": "POST", "path": COMMIT, "drop": True}]),
+    ("commit lands, answer times out", [{"method": "POST", "path": COMMIT, "answer_after_s": 8}]),
+    ("two faults in a row on every step", [{"method": "POST", "path": PREUPLOAD, "status": 503, "times": 2},
+                                            {"method": "PUT", "path": LFS_PUT, "status": 502, "times": 2},
+                                            {"method": "POST", "path": COMMIT, "status": 500, "times": 2}]),
+]
+
+
+def _set_faults(url: str, rules: list[dict]) -> None:
+    request = urllib.request.Request(f"{url}/_local/faults", data=json.dumps(rules).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=10).read()
+
+
+def _faults_left(url: str) -> list[dict]:
+    with urllib.request.urlopen(f"{url}/_local/faults", timeout=10) as response:
+        return json.loads(response.read())["faults"]
+
+
+def test_hub_faults_are_retried_without_a_second_commit(mxspec, run, tmp_path, monkeypatch):
+    recipe, out = run
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    survived = []
+    for i, (name, rules) in enumerate(SURVIVABLE):
+        # a fresh Hub each time: LFS objects are shared store-wide, so a second upload of them would be skipped
+        url, proc = local_hub.start_local_hub_process(tmp_path / f"hub-{i}", TOKEN, stderr=subprocess.DEVNULL)
+        try:
+            env = {"HF_ENDPOINT": url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "home"),
+                   "HF_HUB_OFFLINE": "0", "MXSPEC_HUB_TIMEOUT_S": "3"}
+            _set_faults(url, rules)
+            done = mxspec("publish", f"{recipe}={out}", env=env)
+            assert _faults_left(url) == [], f"{name}: the fault never fired"
+            assert done.returncode == 0, f"{name}: {done.stderr}"
+            assert TOKEN not in done.stdout + done.stderr
+            assert len(commits(url)) == 2, f"{name}: not exactly one commit besides the Hub's first"
+            result = json.loads((out / "publish" / "publish.json").read_text())
+            assert result["revision"] == commits(url)[0] and result["verified"] == len(result["files"])
+            survived.append(name)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert survived == [name for name, _ in SURVIVABLE]
+
+
+def test_a_hub_that_keeps_failing_ends_in_one_line_and_no_commit(mxspec, run, hub, tmp_path):
+    recipe, out = run
+    url, env, _ = hub
+    job = tmp_path / "down.toml"
+    job.write_text(recipe.read_text().replace(REPO, "local-user/down"))
+    _set_faults(url, [{"method": "POST", "path": COMMIT, "status": 503, "times": 99}])
+    failed = mxspec("publish", f"{job}={out}", env=env)
+    assert failed.returncode == 3, failed.stderr
+    assert "answered 503" in failed.stderr and "Traceback" not in failed.stderr and TOKEN not in failed.stderr
+    assert len(commits(url, "local-user/down")) == 1  # the Hub's own first commit only
+
+
+def test_a_pull_request_whose_answer_is_lost_is_opened_once(mxspec, run, hub, tmp_path):
+    recipe, out = run
+    url, env, _ = hub
+    _set_faults(url, [{"method": "POST", "path": COMMIT, "answer_after_s": 8}])
+    pr = mxspec("publish", f"{recipe}={out}", "--create-pr", env={**env, "MXSPEC_HUB_TIMEOUT_S": "3"})
+    assert pr.returncode == 0, pr.stderr
+    prs = api(url).list_repo_refs(REPO, include_pull_requests=True).pull_requests
+    assert len(prs) == 1 and json.loads((out / "publish" / "publish.json").read_text())["pr_url"].endswith("/1")
+    assert _faults_left(url) == [] and len(commits(url)) == 1  # main untouched: the Hub's first commit only
+
+
+def test_an_unreachable_hub_fails_one_job_and_the_next_still_publishes(mxspec, run, hub, tmp_path):
+    recipe, out = run
+    url, env, _ = hub
+    closed = tmp_path / "closed.toml"  # a port nothing listens on
+    closed.write_text(recipe.read_text().replace(REPO, "local-user/nowhere").replace(
+        'tag = "v1"', 'tag = "v1"\nendpoint = "http://127.0.0.1:9"'))
+    job = mxspec("publish", f"{closed}={out}", f"{recipe}={out}", env=env)
+    assert job.returncode == 3, job.stderr
+    assert "cannot reach the Hub at http://127.0.0.1:9" in job.stderr and "Traceback" not in job.stderr
+    assert api(url).repo_exists(REPO) and len(commits(url)) == 2

@@ -15,6 +15,7 @@ import pytest
 
 from pipeline.errors import BadInputError
 from pipeline.recipe import load_recipe
+from pipeline.artifacts import StageManifest, volatile_fields
 from pipeline.runner import MANIFEST, read_manifest, run_stages
 
 RECIPE = """
@@ -47,6 +48,7 @@ class CopyStage:
         (workdir / "data.txt").write_text(self.source.read_text().upper() + ctx.recipe.quantization.scheme)
         if self.fail:
             raise RuntimeError("boom")
+        return {"runs_so_far": float(self.runs)}  # a measurement of the work, different on every run
 
 
 @dataclass
@@ -121,6 +123,17 @@ def test_recipe_sections_decide_what_is_redone(setup):
     related = recipe.model_copy(update={"quantization": recipe.quantization.model_copy(update={"scheme": "mxfp4_weight_only"})})
     assert not run_stages(related, tmp / "out", [first])[0].skipped
     assert (tmp / "out/first/data.txt").read_text().endswith("mxfp4_weight_only")
+
+
+def test_measurements_go_to_the_manifest_and_redo_nothing_downstream(setup):
+    tmp, recipe, source = setup
+    first, second = CopyStage(source), ConcatStage()
+    run_stages(recipe, tmp / "out", [first, second])
+    assert read_manifest(tmp / "out" / "first")["measured"] == {"runs_so_far": 1.0}
+    run_stages(recipe, tmp / "out", [first, second], force=["first"])
+    assert read_manifest(tmp / "out" / "first")["measured"] == {"runs_so_far": 2.0}
+    assert (first.runs, second.runs) == (2, 1)  # same outputs, so the next stage is still up to date
+    assert volatile_fields(StageManifest) == {"started_at", "finished_at", "duration_s", "measured"}
 
 
 def test_corrupted_or_missing_output_is_redone(setup):
