@@ -18,8 +18,9 @@ from collections.abc import Iterable
 
 from pipeline.errors import BadInputError
 
-# Quark's own template defaults (BRIEF.md), which vLLM serves: lm_head, the visual tower and the MTP
-# head stay bf16; for MoE only the routed experts are quantized.
+# Quark's own template defaults (amd-quark 0.13, quark/torch/quantization/config/template.py), which
+# vLLM serves: lm_head, the visual tower and the MTP head stay bf16; for MoE only the routed experts
+# are quantized.
 _DENSE_QWEN35 = ["lm_head", "model.visual.*", "*mtp*"]
 _MOE_QWEN35 = [*_DENSE_QWEN35, "*mlp.gate", "*shared_expert_gate*", "*.linear_attn.*", "*.self_attn.*", "*.shared_expert.*"]
 DEFAULT_EXCLUDE: dict[str, list[str]] = {
