@@ -131,6 +131,8 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
                             f"run `mxspec run RECIPE --out {ctx.out}` first")
 
     ctx.console.print(f"[bold]→ {stage.name}[/]")
+    if previous and previous["stage"] == stage.name and not (final / OWNER_MARK).exists():
+        (final / OWNER_MARK).touch()  # a stage folder of an mxspec from before ownership marks: ours to replace
     started = time.time()
     with atomic_directory(final) as workdir, _disk_full_is_external(stage, ctx):
         measured = stage.run(ctx, workdir) or {}

@@ -136,6 +136,15 @@ def test_measurements_go_to_the_manifest_and_redo_nothing_downstream(setup):
     assert volatile_fields(StageManifest) == {"started_at", "finished_at", "duration_s", "measured"}
 
 
+def test_a_stage_folder_from_before_ownership_marks_is_still_replaced(setup):
+    tmp, recipe, source = setup
+    run_stages(recipe, tmp / "out", [CopyStage(source)])
+    (tmp / "out" / "first" / ".mxspec-output").unlink()  # as an older mxspec wrote it
+    source.write_text("changed")
+    run_stages(recipe, tmp / "out", [CopyStage(source)])
+    assert (tmp / "out" / "first" / "data.txt").read_text().startswith("CHANGED")
+
+
 def test_corrupted_or_missing_output_is_redone(setup):
     tmp, recipe, source = setup
     first = CopyStage(source)
