@@ -5,7 +5,14 @@ One commit carries the checkpoint, the card (README.md), the figures and mxspec'
 for LFS files, git blob id for small ones), so publishing the same artifacts again makes no commit,
 and a publish killed half-way resumes: LFS objects already on the Hub are not sent again (the LFS
 batch API says so) and the commit is only created once everything is uploaded. After the commit the
-remote tree is listed again and every file is compared with its local bytes.
+remote tree is listed again and compared with the plan as a whole: every planned file with its local
+bytes, and no other file (so after a re-sharded export no old shard or index is left behind).
+
+The remote repo is made equal to the plan. mxspec lists what it published in `mxspec/files.json`; a
+later publish deletes, in the same commit, the files that list names and the new plan does not (old
+shards, an old index). A file mxspec never published (one added by hand on the Hub) is not deleted:
+publishing into such a repo is refused until it is removed or another repo_id is chosen. The Hub's
+own `.gitattributes` is left alone.
 
 Faults: every request has a time limit (MXSPEC_HUB_TIMEOUT_S, default 300 s per read or write). Reads,
 `create_repo(exist_ok)`, tags and LFS uploads are retried on 408/429/5xx and dropped connections,
@@ -33,6 +40,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.artifacts import VOLATILE
+from pipeline.atomic import OWNER_MARK
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError, ExternalError, GateFailedError
 from pipeline.gate import read_verdict
@@ -42,6 +50,9 @@ from pipeline.runner import StageContext
 
 PUBLISH_FILE = "publish.json"
 CARD_FILE = "README.md"
+PUBLISHED_LIST = "mxspec/files.json"  # in the repo: every file the last mxspec publish put there
+PUBLISHED_LIST_SCHEMA = "mxspec.published-files/1"
+HUB_MANAGED = frozenset({".gitattributes"})  # created by the Hub with the repo; never planned, never deleted
 REPORTS = (("quantize", "mxspec-quantize.json"), ("pair", "pair.json"), ("validate", "report.json"),
            ("validate", "report.md"), ("gate", "verdict.json"), ("gate", "summary.md"))
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -79,6 +90,15 @@ class PublishPlan:
         return sum(f.size for f in self.files)
 
 
+class PublishedFiles(BaseModel):
+    """mxspec/files.json in a published repo: the files this publish owns there (path -> sha256)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_: Literal["mxspec.published-files/1"] = Field(PUBLISHED_LIST_SCHEMA, alias="schema")
+    files: dict[str, str]
+
+
 class PublishResult(BaseModel):
     """publish/publish.json after an upload. The Hub's commit id and what this attempt sent are declared
     volatile: a publish resumed after a kill finds its commit already made and records that instead."""
@@ -91,6 +111,7 @@ class PublishResult(BaseModel):
     revision: str = Field(json_schema_extra=VOLATILE)  # the commit that holds the files (its id includes its time)
     created_commit: bool = Field(json_schema_extra=VOLATILE)  # False when the Hub already had exactly these files
     uploaded: list[str] = Field(json_schema_extra=VOLATILE)  # files sent in the commit (empty when nothing changed)
+    deleted: list[str] = Field(default_factory=list, json_schema_extra=VOLATILE)  # stale files the commit removed
     verified: int  # files whose remote size and sha256 matched the local bytes
     pr_url: str | None = None
     tag: str | None = None
@@ -132,7 +153,8 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
 
     sources: dict[str, Path] = {}
     for rel in list_files(run.checkpoint):
-        sources[rel] = run.checkpoint / rel
+        if Path(rel).name != OWNER_MARK:  # Quark's export copies the source folder's side files, a mark included
+            sources[rel] = run.checkpoint / rel
     sources[CARD_FILE] = card  # the card replaces any README copied from the base model
     for figure in run.figures():
         sources[f"figures/{figure.name}"] = figure
@@ -146,13 +168,23 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
         if sha in drafter_weights:
             raise BadInputError(f"{local} has the same bytes as the drafter's weights; the drafter is never uploaded")
         files.append(UploadFile(path_in_repo, local, local.stat().st_size, sha))
+    files.append(published_list(files, Path(card_dir)))
     message = (f"mxspec: {recipe.name}, {run.quantize['scheme']} with AMD Quark, gate {verdict['verdict']}"
                + (" (forced)" if not verdict["passed"] else ""))
     return PublishPlan(publish.repo_id, hub_endpoint(recipe), publish.private, publish.create_pr, publish.tag, message, files)
 
 
+def published_list(files: list[UploadFile], folder: Path) -> UploadFile:
+    """Write mxspec/files.json (the planned files, itself excepted) into `folder`, as a file to upload."""
+    local = folder / Path(PUBLISHED_LIST).name
+    listing = PublishedFiles(files={f.path_in_repo: f.sha256 for f in files})
+    local.write_text(listing.model_dump_json(by_alias=True, indent=2) + "\n")
+    return UploadFile(PUBLISHED_LIST, local, local.stat().st_size, hashlib.sha256(local.read_bytes()).hexdigest())
+
+
 def publish_plan(plan: PublishPlan, token: str, *, gate_verdict: str = "", forced: bool = False) -> PublishResult:
-    """Create the repo if needed, commit what differs from the remote, tag, verify. Idempotent."""
+    """Create the repo if needed, commit what differs from the remote (stale files deleted), tag, verify.
+    Idempotent."""
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=plan.endpoint, token=token)
@@ -160,23 +192,54 @@ def publish_plan(plan: PublishPlan, token: str, *, gate_verdict: str = "", force
         _retried(lambda: api.create_repo(plan.repo_id, private=plan.private, exist_ok=True))
         head = _retried(lambda: _head_commit(api, plan.repo_id))
         remote = _retried(lambda: _remote_files(api, plan.repo_id, head)) if head else {}
+        stale = _retried(lambda: stale_files(api, plan, remote, head))
         changed = [f for f in plan.files if not _same(f, remote.get(f.path_in_repo))]
-        revision, pr_url = (_commit(api, plan, changed, head) if changed else (head, None))
+        revision, pr_url = (_commit(api, plan, changed, stale, head) if changed or stale else (head, None))
         if plan.tag and not plan.create_pr:
             _retried(lambda: _ensure_tag(api, plan.repo_id, plan.tag, revision))
         verified = _retried(lambda: verify_upload(api, plan, revision))
-    return PublishResult(repo_id=plan.repo_id, endpoint=plan.endpoint, revision=revision, created_commit=bool(changed),
-                         uploaded=[f.path_in_repo for f in changed], verified=verified, pr_url=pr_url,
+    return PublishResult(repo_id=plan.repo_id, endpoint=plan.endpoint, revision=revision,
+                         created_commit=bool(changed or stale), uploaded=[f.path_in_repo for f in changed],
+                         deleted=stale, verified=verified, pr_url=pr_url,
                          tag=plan.tag if not plan.create_pr else None, gate_verdict=gate_verdict, forced=forced,
                          files={f.path_in_repo: f.sha256 for f in plan.files})
 
 
-def _commit(api, plan: PublishPlan, changed: list[UploadFile], head: str | None) -> tuple[str, str | None]:
-    """Upload the LFS objects (idempotent, retried), then commit once: (revision, PR url)."""
-    from huggingface_hub import CommitOperationAdd
+def stale_files(api, plan: PublishPlan, remote: dict, head: str | None) -> list[str]:
+    """Remote files an earlier mxspec publish put there that the plan no longer has; refuses (exit 2)
+    when the repo holds files mxspec never published, since deleting them is not mxspec's call."""
+    planned = {f.path_in_repo for f in plan.files}
+    extra = sorted(set(remote) - planned - HUB_MANAGED)
+    if not extra:
+        return []
+    owned = set(_published_before(api, plan.repo_id, head) if PUBLISHED_LIST in remote else ()) | {PUBLISHED_LIST}
+    foreign = [path for path in extra if path not in owned]
+    if foreign:
+        raise BadInputError(f"{plan.repo_id} holds {len(foreign)} file(s) mxspec did not publish ({', '.join(foreign[:3])}"
+                            f"{' ...' if len(foreign) > 3 else ''}); remove them on the Hub or set another [publish] repo_id")
+    return extra
 
-    operations = [CommitOperationAdd(f.path_in_repo, str(f.local)) for f in changed]
-    _retried(lambda: api.preupload_lfs_files(plan.repo_id, additions=operations, create_pr=plan.create_pr))
+
+def _published_before(api, repo_id: str, revision: str) -> list[str]:
+    """The paths listed in the repo's mxspec/files.json at `revision` (a broken listing owns nothing)."""
+    from pydantic import ValidationError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = api.hf_hub_download(repo_id, PUBLISHED_LIST, revision=revision, local_dir=tmp)
+        try:
+            return list(PublishedFiles.model_validate_json(Path(local).read_text()).files)
+        except (ValidationError, UnicodeDecodeError):
+            return []
+
+
+def _commit(api, plan: PublishPlan, changed: list[UploadFile], stale: list[str], head: str | None) -> tuple[str, str | None]:
+    """Upload the LFS objects (idempotent, retried), then commit once, additions and deletions together:
+    (revision, PR url)."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    additions = [CommitOperationAdd(f.path_in_repo, str(f.local)) for f in changed]
+    operations = [*additions, *(CommitOperationDelete(path) for path in stale)]
+    _retried(lambda: api.preupload_lfs_files(plan.repo_id, additions=additions, create_pr=plan.create_pr))
     open_prs = _retried(lambda: _pull_requests(api, plan.repo_id)) if plan.create_pr else set()
     for attempt in range(ATTEMPTS):
         try:
@@ -214,7 +277,7 @@ def _landed_commit(api, plan: PublishPlan, head: str | None, open_prs: set[str])
         candidates = [(main, None)] if main and main != head else []
     for revision, pr_url in candidates:
         remote = _remote_files(api, plan.repo_id, revision)
-        if all(_same(f, remote.get(f.path_in_repo)) for f in plan.files):
+        if not _tree_problems(plan, remote):
             return revision, pr_url
     if candidates and not plan.create_pr:
         raise HubError(f"{plan.repo_id}: main moved to {candidates[0][0][:12]} while publishing (someone else "
@@ -278,18 +341,27 @@ def hub_timeout_s() -> float:
 
 
 def verify_upload(api, plan: PublishPlan, revision: str) -> int:
-    """List the remote tree at `revision` and compare every planned file's size and content hash."""
+    """List the remote tree at `revision`: every planned file with its local size and content hash
+    (small files read back), and no file the plan does not have."""
     remote = _remote_files(api, plan.repo_id, revision)
+    problems = _tree_problems(plan, remote, download=lambda path: _download_sha256(api, plan.repo_id, path, revision))
+    if problems:
+        raise HubError(f"{plan.repo_id}@{revision[:12]}: upload verification failed: {'; '.join(problems[:5])}")
+    return len(plan.files)
+
+
+def _tree_problems(plan: PublishPlan, remote: dict, download=None) -> list[str]:
+    """How the remote tree differs from the plan (the Hub's own files aside); empty when it is equal."""
     problems = []
     for f in plan.files:
         entry = remote.get(f.path_in_repo)
         if entry is None:
             problems.append(f"{f.path_in_repo} is missing")
-        elif not _same(f, entry, download=lambda path: _download_sha256(api, plan.repo_id, path, revision)):
+        elif not _same(f, entry, download=download):
             problems.append(f"{f.path_in_repo} differs (remote size {entry.size}, local {f.size})")
-    if problems:
-        raise HubError(f"{plan.repo_id}@{revision[:12]}: upload verification failed: {'; '.join(problems[:5])}")
-    return len(plan.files)
+    planned = {f.path_in_repo for f in plan.files}
+    problems += [f"{path} is not in the plan" for path in sorted(set(remote) - planned - HUB_MANAGED)]
+    return problems
 
 
 def _head_commit(api, repo_id: str) -> str | None:

@@ -156,10 +156,10 @@ class Campaign:
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
         reader.start()
-        in_stage = self._wait_and_kill(proc, point, lines)
-        reader.join(timeout=10)
-        assert in_stage is not None, f"{point}: the run ended before the kill\n{''.join(lines)[-2000:]}"
-        self.landed.append((str(point), in_stage))
+        killed = self._wait_and_kill(proc, point, lines)
+        reader.join(timeout=10)  # the run is gone: its last lines are in
+        assert killed, f"{point}: the run ended before the kill\n{''.join(lines)[-2000:]}"
+        self.landed.append((str(point), _stage_at_the_end(lines)))
         self._check_after_kill(proc, point)
         rerun = self.mxspec("run", self.recipe, "--out", self.out, "--until", self.stages[-1], env=self.env)
         assert rerun.returncode == 0, f"{point}: rerun failed\n{rerun.stderr[-3000:]}"
@@ -173,31 +173,27 @@ class Campaign:
             assert len(commits) == 2, f"{point}: {len(commits) - 1} commits besides the Hub's first"
             assert json.loads((self.out / "publish" / "publish.json").read_text())["revision"] == commits[0]
 
-    def _wait_and_kill(self, proc: subprocess.Popen, point: KillPoint, lines: list[str]) -> str | None:
-        """Kill the run's process group at the point; the stage it was in then (None: it had finished)."""
+    def _wait_and_kill(self, proc: subprocess.Popen, point: KillPoint, lines: list[str]) -> bool:
+        """Kill the run's process group at the point; False when the run ended first."""
+        if point.rename:  # strace kills the run itself at that rename
+            return proc.wait(timeout=300) == -signal.SIGKILL
         deadline = time.monotonic() + 300
         announced = f"→ {point.stage}"
         while not any(line.startswith(announced) for line in list(lines)):
             if proc.poll() is not None or time.monotonic() > deadline:
-                return None
+                return False
             time.sleep(0.005)
-        if point.rename:  # strace kills the run itself
-            if proc.wait(timeout=300) != -signal.SIGKILL:
-                return None
-        else:
-            if point.after_s is not None:
-                time.sleep(point.after_s)
-            if point.fraction is not None:
-                time.sleep(point.fraction * self.durations[point.stage])
-            while point.commit_landed and proc.poll() is None and len(self.hub.main_commits()) < 2:
-                time.sleep(0.05)
-            if proc.poll() is not None:
-                return None
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        started = [line.split()[1] for line in lines if line.startswith("→ ")]
-        finished = {line.split()[1].rstrip(":") for line in lines if line.startswith("✓ ")}
-        return next((stage for stage in reversed(started) if stage not in finished), "between stages")
+        if point.after_s is not None:
+            time.sleep(point.after_s)
+        if point.fraction is not None:
+            time.sleep(point.fraction * self.durations[point.stage])
+        while point.commit_landed and proc.poll() is None and len(self.hub.main_commits()) < 2:
+            time.sleep(0.05)
+        if proc.poll() is not None:
+            return False
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
 
     def _check_after_kill(self, proc: subprocess.Popen, point: KillPoint) -> None:
         deadline = time.monotonic() + 5
@@ -212,6 +208,13 @@ class Campaign:
         for stage in STAGES:  # a stage folder is complete (a manifest) or absent: never half-written
             if (self.out / stage).exists():
                 assert read_manifest(self.out / stage) is not None, f"{point}: {stage} left without a manifest"
+
+
+def _stage_at_the_end(lines: list[str]) -> str:
+    """The stage a run's output shows it in when it stopped: announced ("→ S") and not done ("✓ S:")."""
+    started = [line.split()[1] for line in lines if line.startswith("→ ")]
+    finished = {line.split()[1].rstrip(":") for line in lines if line.startswith("✓ ")}
+    return next((stage for stage in reversed(started) if stage not in finished), "between stages")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi, ModelCard, constants, snapshot_download
 
+from pipeline.hashing import HashCache
+from pipeline.publish import plan_publish, publish_plan
 from pipeline.recipe import load_recipe
 from pipeline.stages import run_pipeline
 from tests.conftest import local_hub
@@ -90,8 +93,11 @@ def test_publish_round_trip_card_and_idempotency(mxspec, run, hub, tmp_path):
     for rel, digest in result["files"].items():
         assert sha256(download / rel) == digest, rel
     for path in checkpoint.rglob("*"):
-        if path.is_file() and path.name != "README.md":
+        if path.is_file() and path.name not in ("README.md", ".mxspec-output"):
             assert sha256(download / path.relative_to(checkpoint)) == sha256(path)
+    assert not list(download.rglob(".mxspec-output"))  # mxspec's folder mark is bookkeeping, never published
+    listed = json.loads((download / "mxspec" / "files.json").read_text())["files"]
+    assert set(listed) | {"mxspec/files.json"} == set(result["files"])
     assert (download / "figures" / "acceptance_vs_budget.png").is_file()
     assert (download / "mxspec" / "verdict.json").is_file() and (download / "mxspec" / "pair.json").is_file()
 
@@ -321,3 +327,69 @@ def test_an_unreachable_hub_fails_one_job_and_the_next_still_publishes(mxspec, r
     assert job.returncode == 3, job.stderr
     assert "cannot reach the Hub at http://127.0.0.1:9" in job.stderr and "Traceback" not in job.stderr
     assert api(url).repo_exists(REPO) and len(commits(url)) == 2
+
+
+def _reshard(checkpoint: Path) -> None:
+    """Split model.safetensors into two shards with an index, as an export with a smaller shard size would."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, members in halves.items():
+        save_file({n: tensors[n] for n in members}, checkpoint / shard, metadata={"format": "pt"})
+    weight_map = {n: shard for shard, members in halves.items() for n in members}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (checkpoint / "model.safetensors").unlink()
+
+
+def remote_tree(url: str, repo: str) -> set[str]:
+    return {e.path for e in api(url).list_repo_tree(repo, recursive=True) if getattr(e, "blob_id", None)}
+
+
+def test_republishing_a_resharded_export_leaves_no_stale_file(run, hub, tmp_path, monkeypatch):
+    """The remote repo ends equal to the plan: old shards and index go in the same commit as the new ones.
+
+    The run's quantize stage would redo a checkpoint edited by hand, so the re-sharded copy is planned
+    and published through the stage's own two calls (plan_publish, publish_plan)."""
+    recipe, out = run
+    url, env, _ = hub
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    repo = "local-user/resharded"
+    job = tmp_path / "resharded.toml"
+    job.write_text(recipe.read_text().replace(REPO, repo).replace('tag = "v1"\n', ""))
+    resharded = tmp_path / "resharded-out"
+    shutil.copytree(out, resharded, symlinks=True)
+    _reshard(resharded / "quantize" / "checkpoint")
+    api(url).create_repo(repo)  # the Hub's first commit holds .gitattributes only
+
+    for step, (run_folder, gone, present) in enumerate(((out, "model-00001-of-00002.safetensors", "model.safetensors"),
+                                                       (resharded, "model.safetensors", "model-00002-of-00002.safetensors"),
+                                                       (out, "model.safetensors.index.json", "model.safetensors"))):
+        before = commits(url, repo)
+        card_dir = tmp_path / f"card-{step}"
+        card_dir.mkdir()
+        plan = plan_publish(load_recipe(job), run_folder, card_dir, HashCache(None))
+        result = publish_plan(plan, TOKEN)
+        assert len(commits(url, repo)) == len(before) + 1  # additions and deletions in one commit
+        tree = remote_tree(url, repo)
+        assert tree == set(result.files) | {".gitattributes"}
+        assert gone not in tree and present in tree
+        assert result.verified == len(plan.files) and (step == 0 or gone in result.deleted)
+
+
+def test_a_repo_with_files_mxspec_did_not_publish_is_refused(mxspec, run, hub, tmp_path):
+    """A stale file mxspec published is deleted; one added by hand is not mxspec's to delete: exit 2."""
+    recipe, out = run
+    url, env, _ = hub
+    first = mxspec("publish", f"{recipe}={out}", env=env)
+    assert first.returncode == 0, first.stderr
+    api(url).upload_file(path_or_fileobj=b"hand-written notes", path_in_repo="NOTES.md", repo_id=REPO)
+    history = commits(url)
+    refused = mxspec("publish", f"{recipe}={out}", env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: tiny-publish: {REPO} holds 1 file(s) mxspec did not publish (NOTES.md); remove them on the Hub or set another "
+        "[publish] repo_id")
+    assert commits(url) == history and "NOTES.md" in remote_tree(url, REPO)

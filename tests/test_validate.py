@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pipeline.artifacts import VALIDATE_SCHEMA, ValidateReport
 from pipeline.recipe import load_recipe
 from pipeline.stages import run_pipeline
 
@@ -29,12 +30,13 @@ def report(tmp_path_factory, tiny):
 
 def test_report_has_every_cell_and_drift_row(report):
     data = json.loads((report / "report.json").read_text())
-    assert data["schema"] == "mxspec.validate/1" and data["backend"] == "reference"
+    assert data["schema"] == VALIDATE_SCHEMA and data["backend"] == "reference"
     keys = {(c["workload"], c["precision"], c["budget"]) for c in data["cells"]}
     assert keys == {(w, p, b) for w in ("gsm8k", "humaneval") for p in ("bf16", "mxfp4") for b in (4, 8)}
     assert {(d["workload"], d["budget"]) for d in data["drift"]} == {(w, b) for w in ("gsm8k", "humaneval") for b in (4, 8)}
     assert data["verdict"] in {"pass", "fail", "inconclusive"}
     assert "torch" in data["versions"] and "amd-quark" in data["versions"]
+    ValidateReport.model_validate(data)
 
 
 def test_acceptance_invariants(report):
