@@ -1,5 +1,6 @@
-"""Typed artifacts: stage manifests, and the validate report as its writer emits it and its readers
-(the gate) check it.
+"""Typed artifacts: every JSON file a stage writes, as its writer emits it and its readers read it
+(stage manifests, the quantize report, the pair manifest, the validate report, the gate verdict).
+Their JSON Schemas are exported to docs/schemas/ (`python scripts/export_schemas.py`).
 
 No torch here: the gate, the card and the CLI's light commands read reports without it. A report is
 checked twice on read: against its schema (types, no NaN or infinity, no unknown keys) and against
@@ -12,15 +13,20 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import BadInputError
+from pipeline.hashing import digest_of
 from pipeline.recipe import Gate
 
 MANIFEST_SCHEMA = 1
+QUANTIZE_SCHEMA = "mxspec.quantize/1"
+PAIR_SCHEMA = "mxspec.pair/1"
 VALIDATE_SCHEMA = "mxspec.validate/2"
+GATE_SCHEMA = "mxspec.gate/1"
+PUBLISHED_LIST_SCHEMA = "mxspec.published-files/1"
 Verdict = Literal["pass", "fail", "inconclusive"]
 # How far a drift row's figures may sit from the same figures recomputed from its cells (float noise).
 CONSISTENCY_TOLERANCE = 1e-6
@@ -62,6 +68,9 @@ class StageManifest(BaseModel):
 
 class _Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+ArtifactT = TypeVar("ArtifactT", bound=BaseModel)
 
 
 class ReportSettings(_Artifact):
@@ -198,6 +207,176 @@ def _drift_disagrees(row: DriftRow, bf16: AcceptanceCell, mxfp4: AcceptanceCell)
     return problems
 
 
+class ResolvedModel(_Artifact):
+    """resolve/<role>.json: a model of the recipe as a local folder, with the hashes of its files."""
+
+    role: Literal["target", "drafter"]
+    source: Literal["hub", "local"]
+    ref: str  # what the recipe named: "owner/name@revision" or a path
+    revision: str | None  # the commit the Hub resolved to; None for local folders
+    path: str  # local folder holding the files
+    files: dict[str, str]  # relative path -> sha256
+
+    @property
+    def digest(self) -> str:
+        return digest_of(self.files)
+
+    @property
+    def config(self) -> dict:
+        return json.loads((Path(self.path) / "config.json").read_text())
+
+
+class LogitAgreement(_Artifact):
+    """The reloaded export against the bf16 source on calibration windows (dense causal LMs)."""
+
+    tokens: Annotated[int, Field(ge=1)]
+    mean_abs_logit_error: Annotated[float, Field(ge=0)]
+    kl_bf16_to_mxfp4: float
+    top1_agreement: Rate
+
+
+class ExportVerification(_Artifact):
+    """What the quantize stage checked of Quark's export."""
+
+    bit_exact_tensors: Annotated[int, Field(ge=1)]  # quantized tensors equal to pipeline.mxfp4.encode of their source
+    moe_experts_quantized: Annotated[int, Field(ge=0)]
+    encoder: str
+    logits: LogitAgreement | None = None
+
+
+class QuantizeReport(_Artifact):
+    """quantize/mxspec-quantize.json."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    schema_: Literal["mxspec.quantize/1"] = Field(QUANTIZE_SCHEMA, alias="schema")
+    target: str
+    target_digest: str
+    scheme: str
+    mode: Literal["in_memory", "file_to_file"]
+    template: str
+    exclude: list[str]
+    quantized_layers: Annotated[int, Field(ge=1)]
+    excluded_layers: Annotated[int, Field(ge=0)]
+    carried_over_tensors: Annotated[int, Field(ge=0)]
+    verification: ExportVerification
+    versions: dict[str, str]
+
+
+class ModelRef(_Artifact):
+    """A model as resolved: its reference (Hub id@revision or path), revision and content digest."""
+
+    ref: str
+    revision: str | None
+    digest: str
+
+
+class QuantizedRef(_Artifact):
+    path: str
+    digest: str
+
+
+class DrafterRef(ModelRef):
+    files: dict[str, str]  # file -> sha256, checked unchanged against the recipe's pin
+
+
+class PairManifest(_Artifact):
+    """pair/pair.json: the bf16 target, its MXFP4 export and the unchanged drafter that serves both."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    schema_: Literal["mxspec.pair/1"] = Field(PAIR_SCHEMA, alias="schema")
+    target: ModelRef
+    quantized_target: QuantizedRef
+    drafter: DrafterRef
+    block_size: Annotated[int, Field(ge=2)]
+    launch_commands: dict[str, str]
+
+
+class GateCheck(_Artifact):
+    """One gated cell: a (workload, budget) drift row, or one throughput comparison."""
+
+    name: str  # e.g. "gsm8k B=8" or "throughput gsm8k dflash B=8 c=1"
+    workload: str
+    kind: Literal["acceptance", "throughput"]
+    verdict: Verdict
+    reason: str
+    measured: dict[str, int | float | list[float]] = Field(default_factory=dict)
+
+
+class GateVerdict(_Artifact):
+    """gate/verdict.json. `verdict` is before the inconclusive policy, `passed` after it."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    schema_: Literal["mxspec.gate/1"] = Field(GATE_SCHEMA, alias="schema")
+    verdict: Verdict
+    passed: bool
+    exit_code: Literal[0, 1]
+    thresholds: Gate
+    report: str
+    report_sha256: str
+    checks: list[GateCheck]
+
+
+class PublishedFiles(_Artifact):
+    """mxspec/files.json in a published repo: the files this publish owns there (path -> sha256)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    schema_: Literal["mxspec.published-files/1"] = Field(PUBLISHED_LIST_SCHEMA, alias="schema")
+    files: dict[str, str]
+
+
+class PublishSkipped(_Artifact):
+    """publish/publish.json of a recipe that names no repo: nothing was uploaded, and why."""
+
+    published: Literal[False] = False
+    reason: str
+
+
+class PublishResult(_Artifact):
+    """publish/publish.json after an upload. The Hub's commit id and what this attempt sent are declared
+    volatile: a publish resumed after a kill finds its commit already made and records that instead."""
+
+    published: Literal[True] = True
+    repo_id: str
+    endpoint: str
+    revision: str = Field(json_schema_extra=VOLATILE)  # the commit that holds the files (its id includes its time)
+    created_commit: bool = Field(json_schema_extra=VOLATILE)  # False when the Hub already had exactly these files
+    uploaded: list[str] = Field(json_schema_extra=VOLATILE)  # files sent in the commit (empty when nothing changed)
+    deleted: list[str] = Field(default_factory=list, json_schema_extra=VOLATILE)  # stale files the commit removed
+    verified: int  # files whose remote size and sha256 matched the local bytes
+    pr_url: str | None = None
+    tag: str | None = None
+    gate_verdict: str = ""
+    forced: bool = False
+    files: dict[str, str] = Field(default_factory=dict)  # path in repo -> sha256
+
+
+def read_artifact(path: Path, model: type[ArtifactT], remedy: str) -> ArtifactT:
+    """An artifact a stage wrote, checked against its model, or one line (exit 2) saying why it cannot
+    be used and `remedy` (how to make it again)."""
+    path = Path(path)
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise BadInputError(f"{path}: not found; {remedy}") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise BadInputError(f"{path}: not a file; {remedy}") from None
+    except OSError as exc:
+        raise BadInputError(f"{path}: cannot read it ({exc.strerror}); {remedy}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise BadInputError(f"{path}: '{key}' {first['msg'].lower()}; {remedy}") from None
+
+
+def write_artifact(artifact: BaseModel, path: Path) -> None:
+    """An artifact as its readers read it: JSON in the model's field order, the schema key by its name."""
+    path.write_text(artifact.model_dump_json(by_alias=True, indent=2) + "\n")
+
+
 def read_validate_report(path: Path) -> ValidateReport:
     """A validate report that holds together, or one line (exit 2) saying why it cannot be used."""
     path = Path(path)
@@ -225,3 +404,25 @@ def read_validate_report(path: Path) -> ValidateReport:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise BadInputError(f"{path}: inconsistent report: {problems[0]}{more}; regenerate it with `mxspec validate`")
     return report
+
+
+# Every JSON file mxspec writes: schema name -> (where it lives, its model). A run folder's layout in one place.
+ARTIFACTS: dict[str, tuple[str, Any]] = {
+    "manifest": ("OUT/<stage>/manifest.json", StageManifest),
+    "resolved": ("OUT/resolve/<role>.json", ResolvedModel),
+    "quantize": ("OUT/quantize/mxspec-quantize.json", QuantizeReport),
+    "pair": ("OUT/pair/pair.json", PairManifest),
+    "validate": ("OUT/validate/report.json", ValidateReport),
+    "gate": ("OUT/gate/verdict.json", GateVerdict),
+    "publish": ("OUT/publish/publish.json", PublishResult | PublishSkipped),
+    "published-files": ("mxspec/files.json in the published Hub repo", PublishedFiles),
+}
+
+
+def json_schemas() -> dict[str, dict]:
+    """The JSON Schema of every artifact, by the file name docs/schemas/ gives it."""
+    from pydantic import TypeAdapter
+
+    return {f"{name}.schema.json": {"$schema": "https://json-schema.org/draft/2020-12/schema", "$comment": place,
+                                    **TypeAdapter(model).json_schema(by_alias=True)}
+            for name, (place, model) in ARTIFACTS.items()}

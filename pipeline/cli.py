@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 gate failed, 2 bad input, 3 an external component failed.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import traceback
@@ -146,11 +145,12 @@ def pair(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 @_guarded
 def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     """Measure acceptance (bf16 vs MXFP4) and throughput; write OUT/validate/report.{json,md} and figures."""
+    from pipeline.artifacts import read_validate_report
     from pipeline.stages import run_pipeline
 
     results = run_pipeline(load_recipe(recipe), out, until="validate")
-    report = json.loads((results[-1].path / "report.json").read_text())
-    err.print(f"[green]validated[/]: verdict {report['verdict']} -> {out / 'validate' / 'report.md'}")
+    report = read_validate_report(results[-1].path / "report.json")
+    err.print(f"[green]validated[/]: verdict {report.verdict} -> {out / 'validate' / 'report.md'}")
 
 
 @app.command()

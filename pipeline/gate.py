@@ -12,52 +12,27 @@ Exit codes: 0 pass (or inconclusive under `on_inconclusive = "pass"`), 1 fail, 2
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from xml.etree import ElementTree
 
-from pipeline.artifacts import DriftRow, ServedRow, ValidateReport, read_validate_report
+from pipeline.artifacts import (
+    DriftRow,
+    GateCheck,
+    GateVerdict,
+    ServedRow,
+    ValidateReport,
+    read_artifact,
+    read_validate_report,
+    write_artifact,
+)
 from pipeline.drift import decide
 from pipeline.errors import BadInputError, GateFailedError
 from pipeline.hashing import sha256_file
 from pipeline.recipe import Gate
 from pipeline.runner import StageContext
 
-GATE_SCHEMA = "mxspec.gate/1"
 VERDICT_FILE, SUMMARY_FILE, JUNIT_FILE = "verdict.json", "summary.md", "junit.xml"
 SEVERITY = {"pass": 0, "inconclusive": 1, "fail": 2}
-
-
-@dataclass(frozen=True)
-class Check:
-    """One gated cell: a (workload, budget) drift row, or one throughput comparison."""
-
-    name: str  # e.g. "gsm8k B=8" or "throughput gsm8k dflash B=8 c=1"
-    workload: str
-    kind: str  # "acceptance" | "throughput"
-    verdict: str  # pass | fail | inconclusive
-    reason: str
-    measured: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GateResult:
-    verdict: str  # pass | fail | inconclusive (before the inconclusive policy)
-    passed: bool  # after the policy
-    thresholds: dict
-    checks: list[Check]
-    report: str
-    report_sha256: str
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.passed else 1
-
-    def to_json(self) -> dict:
-        return {"schema": GATE_SCHEMA, "verdict": self.verdict, "passed": self.passed, "exit_code": self.exit_code,
-                "thresholds": self.thresholds, "report": self.report, "report_sha256": self.report_sha256,
-                "checks": [asdict(c) for c in self.checks]}
 
 
 def read_report(path: Path) -> ValidateReport:
@@ -68,7 +43,7 @@ def read_report(path: Path) -> ValidateReport:
     return report
 
 
-def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateResult:
+def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateVerdict:
     """Apply the thresholds (default: those the report records) to every drift row (and throughput pair)."""
     report = read_report(report_path)
     thresholds = thresholds or report.gate
@@ -77,11 +52,11 @@ def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateResult
         checks += _throughput_checks(report.serving or [], thresholds.min_throughput_lift)
     verdict = max((c.verdict for c in checks), key=SEVERITY.__getitem__)
     passed = verdict == "pass" or (verdict == "inconclusive" and thresholds.on_inconclusive == "pass")
-    return GateResult(verdict, passed, thresholds.model_dump(mode="json"), checks, str(report_path),
-                      sha256_file(Path(report_path)))
+    return GateVerdict(verdict=verdict, passed=passed, exit_code=0 if passed else 1, thresholds=thresholds,
+                       report=str(report_path), report_sha256=sha256_file(Path(report_path)), checks=checks)
 
 
-def _acceptance_check(row: DriftRow, gate: Gate) -> Check:
+def _acceptance_check(row: DriftRow, gate: Gate) -> GateCheck:
     """Mean-AL drop and the worst per-position drop of one (workload, budget), each against its threshold."""
     drop_ci = (-row.ci95[1], -row.ci95[0])
     al_verdict = decide(drop_ci, gate.max_acceptance_length_drop)
@@ -94,10 +69,11 @@ def _acceptance_check(row: DriftRow, gate: Gate) -> Check:
               f"{low:+.3f}..{high:+.3f} vs max {gate.max_position_gap} -> {position_verdicts[worst]}")
     measured = {"delta": row.delta, "ci95": list(row.ci95), "max_position_gap": row.max_position_gap,
                 "worst_position": worst + 1, "num_prompts": row.num_prompts}
-    return Check(f"{row.workload} B={row.budget}", row.workload, "acceptance", verdict, reason, measured)
+    return GateCheck(name=f"{row.workload} B={row.budget}", workload=row.workload, kind="acceptance", verdict=verdict,
+                     reason=reason, measured=measured)
 
 
-def _throughput_checks(serving: list[ServedRow], min_lift: float) -> list[Check]:
+def _throughput_checks(serving: list[ServedRow], min_lift: float) -> list[GateCheck]:
     """MXFP4 over bf16 throughput for each served cell measured at both precisions."""
     rows = {(r.workload, r.method, r.budget, r.concurrency, r.precision): r for r in serving}
     checks = []
@@ -108,43 +84,44 @@ def _throughput_checks(serving: list[ServedRow], min_lift: float) -> list[Check]
         lift = quant.throughput_tok_s / base.throughput_tok_s - 1
         verdict = "pass" if lift >= min_lift else "fail"
         cell = f"{workload} {method}" + (f" B={budget}" if budget else "") + f" c={concurrency}"
-        checks.append(Check(f"throughput {cell}", workload, "throughput", verdict,
-                            f"MXFP4 throughput lift {lift:+.1%} vs min {min_lift:+.1%} (one run each, no interval)",
-                            {"lift": lift, "bf16_tok_s": base.throughput_tok_s, "mxfp4_tok_s": quant.throughput_tok_s}))
+        checks.append(GateCheck(
+            name=f"throughput {cell}", workload=workload, kind="throughput", verdict=verdict,
+            reason=f"MXFP4 throughput lift {lift:+.1%} vs min {min_lift:+.1%} (one run each, no interval)",
+            measured={"lift": lift, "bf16_tok_s": base.throughput_tok_s, "mxfp4_tok_s": quant.throughput_tok_s}))
     if not checks:
-        checks.append(Check("throughput", "-", "throughput", "inconclusive",
-                            "min_throughput_lift is set but the report has no vLLM throughput at both precisions"))
+        checks.append(GateCheck(name="throughput", workload="-", kind="throughput", verdict="inconclusive",
+                                reason="min_throughput_lift is set but the report has no vLLM throughput at both precisions"))
     return checks
 
 
 ICON = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE"}
 
 
-def summary_markdown(result: GateResult) -> str:
+def summary_markdown(result: GateVerdict) -> str:
     t = result.thresholds
-    policy = f"inconclusive counts as {t['on_inconclusive']}"
+    policy = f"inconclusive counts as {t.on_inconclusive}"
     lines = [f"## mxspec gate: {ICON[result.verdict]}" + ("" if result.verdict != "inconclusive" else f" ({policy})"),
              "",
-             f"Thresholds: mean AL drop <= {t['max_acceptance_length_drop']}, per-position drop <= {t['max_position_gap']}"
-             + (f", MXFP4 throughput lift >= {t['min_throughput_lift']:+.0%}" if t["min_throughput_lift"] is not None else "")
+             f"Thresholds: mean AL drop <= {t.max_acceptance_length_drop}, per-position drop <= {t.max_position_gap}"
+             + (f", MXFP4 throughput lift >= {t.min_throughput_lift:+.0%}" if t.min_throughput_lift is not None else "")
              + f"; {policy}. A cell fails only when the 95% interval lies beyond the threshold.",
              "", "| cell | verdict | why |", "|---|---|---|"]
     for check in result.checks:
         lines.append(f"| {check.name} | {ICON[check.verdict]} | {check.reason} |")
     counts = {v: sum(c.verdict == v for c in result.checks) for v in ICON}
-    lines += ["", f"{counts['pass']} pass, {counts['fail']} fail, {counts['inconclusive']} inconclusive; "
-              f"report `{result.report}` (sha256 {result.report_sha256[:12]})", ""]
+    lines += ["", (f"{counts['pass']} pass, {counts['fail']} fail, {counts['inconclusive']} inconclusive; "
+              f"report `{result.report}` (sha256 {result.report_sha256[:12]})"), ""]
     return "\n".join(lines)
 
 
-def junit_xml(result: GateResult) -> str:
+def junit_xml(result: GateVerdict) -> str:
     """One <testcase> per check; fail -> <failure>, inconclusive -> <failure> or <skipped> by policy."""
     suite = ElementTree.Element("testsuite", name="mxspec.gate", tests=str(len(result.checks)))
     failures = skipped = 0
     for check in result.checks:
         case = ElementTree.SubElement(suite, "testcase", classname=f"mxspec.gate.{check.kind}.{check.workload}",
                                       name=check.name, time="0")
-        if check.verdict == "fail" or (check.verdict == "inconclusive" and result.thresholds["on_inconclusive"] == "fail"):
+        if check.verdict == "fail" or (check.verdict == "inconclusive" and result.thresholds.on_inconclusive == "fail"):
             failures += 1
             ElementTree.SubElement(case, "failure", message=f"{check.verdict}: {check.reason}")
         elif check.verdict == "inconclusive":
@@ -159,16 +136,16 @@ def junit_xml(result: GateResult) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ElementTree.tostring(suite, encoding="unicode") + "\n"
 
 
-def write_gate_outputs(result: GateResult, folder: Path) -> None:
+def write_gate_outputs(result: GateVerdict, folder: Path) -> None:
     """verdict.json, summary.md and junit.xml into `folder` (which the caller makes atomic)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / VERDICT_FILE).write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
+    write_artifact(result, folder / VERDICT_FILE)
     (folder / SUMMARY_FILE).write_text(summary_markdown(result))
     (folder / JUNIT_FILE).write_text(junit_xml(result))
 
 
-def read_verdict(folder: Path) -> dict:
-    return json.loads((folder / VERDICT_FILE).read_text())
+def read_verdict(folder: Path) -> GateVerdict:
+    return read_artifact(folder / VERDICT_FILE, GateVerdict, "run the gate again (`mxspec run RECIPE --until gate`)")
 
 
 class GateStage:
@@ -193,7 +170,7 @@ class GateStage:
 def raise_unless_passed(folder: Path) -> None:
     """GateFailedError (exit 1) with the failing cells, if the gate in `folder` did not pass."""
     verdict = read_verdict(folder)
-    if not verdict["passed"]:
-        bad = [c["name"] for c in verdict["checks"] if c["verdict"] != "pass"]
-        raise GateFailedError(f"gate {verdict['verdict']}: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} "
+    if not verdict.passed:
+        bad = [c.name for c in verdict.checks if c.verdict != "pass"]
+        raise GateFailedError(f"gate {verdict.verdict}: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} "
                               f"(see {folder / SUMMARY_FILE})")

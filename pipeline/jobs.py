@@ -12,9 +12,10 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from pipeline.artifacts import PublishResult
 from pipeline.errors import BadInputError, MxspecError
 from pipeline.hashing import HashCache
-from pipeline.publish import PUBLISH_FILE, PublishResult, PublishStage, plan_publish
+from pipeline.publish import PUBLISH_FILE, PublishStage, plan_publish
 from pipeline.recipe import Recipe
 from pipeline.runner import run_stages
 

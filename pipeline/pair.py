@@ -11,15 +11,21 @@ targets, the drafter, revisions and hashes, and the exact vLLM launch commands.
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.artifacts import (
+    DrafterRef,
+    ModelRef,
+    PairManifest,
+    QuantizedRef,
+    ResolvedModel,
+    write_artifact,
+)
 from pipeline.errors import BadInputError
 from pipeline.hashing import HashCache, digest_of, list_files
 from pipeline.recipe import Recipe
-from pipeline.resolve import ResolvedModel, read_resolved
+from pipeline.resolve import read_resolved
 from pipeline.runner import StageContext
 
 PAIR_FILE = "pair.json"
@@ -116,15 +122,6 @@ def check_unchanged(drafter: ResolvedModel, pinned_digest: str | None, hashes: H
     return now
 
 
-@dataclass(frozen=True)
-class PairManifest:
-    target: dict
-    quantized_target: dict
-    drafter: dict
-    block_size: int
-    launch_commands: dict[str, str]
-
-
 def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, block_size: int) -> dict[str, str]:
     from pipeline.serving.server import ServerSpec
 
@@ -144,7 +141,7 @@ def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, b
 
 class PairStage:
     name = "pair"
-    version = 1
+    version = 2
     sections = ("drafter", "validation", "serving")
     requires = ("resolve", "quantize")
     tools = ()
@@ -168,11 +165,11 @@ class PairStage:
         drafter_ref = drafter.ref.split("@")[0] if drafter.source == "hub" else drafter.path
         target_ref = target.ref.split("@")[0] if target.source == "hub" else target.path
         manifest = PairManifest(
-            target={"ref": target.ref, "revision": target.revision, "digest": target.digest},
-            quantized_target={"path": str(quantized_dir), "digest": digest_of(quantized_files)},
-            drafter={"ref": drafter.ref, "revision": drafter.revision, "digest": digest_of(hashes), "files": hashes},
+            target=ModelRef(ref=target.ref, revision=target.revision, digest=target.digest),
+            quantized_target=QuantizedRef(path=str(quantized_dir), digest=digest_of(quantized_files)),
+            drafter=DrafterRef(ref=drafter.ref, revision=drafter.revision, digest=digest_of(hashes), files=hashes),
             block_size=block_size,
             launch_commands=launch_commands(ctx.recipe, target_ref, str(quantized_dir), drafter_ref, block_size),
         )
-        (workdir / PAIR_FILE).write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+        write_artifact(manifest, workdir / PAIR_FILE)
         ctx.console.print(f"  drafter {drafter.ref} pairs with {target.ref}; unchanged (digest {digest_of(hashes)[:12]})")

@@ -29,17 +29,13 @@ the environment or the Hub's own login and never appears in output, reports, the
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from pipeline.artifacts import VOLATILE
+from pipeline.artifacts import PublishedFiles, PublishResult, PublishSkipped, write_artifact
 from pipeline.atomic import OWNER_MARK
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError, ExternalError, GateFailedError
@@ -51,7 +47,6 @@ from pipeline.runner import StageContext
 PUBLISH_FILE = "publish.json"
 CARD_FILE = "README.md"
 PUBLISHED_LIST = "mxspec/files.json"  # in the repo: every file the last mxspec publish put there
-PUBLISHED_LIST_SCHEMA = "mxspec.published-files/1"
 HUB_MANAGED = frozenset({".gitattributes"})  # created by the Hub with the repo; never planned, never deleted
 REPORTS = (("quantize", "mxspec-quantize.json"), ("pair", "pair.json"), ("validate", "report.json"),
            ("validate", "report.md"), ("gate", "verdict.json"), ("gate", "summary.md"))
@@ -90,36 +85,6 @@ class PublishPlan:
         return sum(f.size for f in self.files)
 
 
-class PublishedFiles(BaseModel):
-    """mxspec/files.json in a published repo: the files this publish owns there (path -> sha256)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    schema_: Literal["mxspec.published-files/1"] = Field(PUBLISHED_LIST_SCHEMA, alias="schema")
-    files: dict[str, str]
-
-
-class PublishResult(BaseModel):
-    """publish/publish.json after an upload. The Hub's commit id and what this attempt sent are declared
-    volatile: a publish resumed after a kill finds its commit already made and records that instead."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    published: Literal[True] = True
-    repo_id: str
-    endpoint: str
-    revision: str = Field(json_schema_extra=VOLATILE)  # the commit that holds the files (its id includes its time)
-    created_commit: bool = Field(json_schema_extra=VOLATILE)  # False when the Hub already had exactly these files
-    uploaded: list[str] = Field(json_schema_extra=VOLATILE)  # files sent in the commit (empty when nothing changed)
-    deleted: list[str] = Field(default_factory=list, json_schema_extra=VOLATILE)  # stale files the commit removed
-    verified: int  # files whose remote size and sha256 matched the local bytes
-    pr_url: str | None = None
-    tag: str | None = None
-    gate_verdict: str = ""
-    forced: bool = False
-    files: dict[str, str] = Field(default_factory=dict)  # path in repo -> sha256
-
-
 def hub_endpoint(recipe: Recipe) -> str:
     return (recipe.publish.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
@@ -145,8 +110,8 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
         if not (run.out / stage / "manifest.json").is_file():
             raise BadInputError(f"{run.out}: stage '{stage}' has not run; run `mxspec run RECIPE --out {run.out}` first")
     verdict = read_verdict(run.out / "gate")
-    if not verdict["passed"] and not force:
-        raise GateFailedError(f"refusing to publish: the gate verdict is {verdict['verdict']} (see "
+    if not verdict.passed and not force:
+        raise GateFailedError(f"refusing to publish: the gate verdict is {verdict.verdict} (see "
                               f"{run.out / 'gate' / 'summary.md'}); fix the checkpoint, or pass --force to publish anyway")
     card = Path(card_dir) / CARD_FILE
     card.write_text(render_model_card(recipe, run, publish.repo_id))
@@ -161,7 +126,7 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     for stage, name in REPORTS:
         if (run.out / stage / name).is_file():
             sources[f"mxspec/{name}"] = run.out / stage / name
-    drafter_weights = {sha for name, sha in run.pair["drafter"]["files"].items() if name.endswith(WEIGHT_SUFFIXES)}
+    drafter_weights = {sha for name, sha in run.pair.drafter.files.items() if name.endswith(WEIGHT_SUFFIXES)}
     files = []
     for path_in_repo, local in sorted(sources.items()):
         sha = hashes.file(local)
@@ -169,8 +134,8 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
             raise BadInputError(f"{local} has the same bytes as the drafter's weights; the drafter is never uploaded")
         files.append(UploadFile(path_in_repo, local, local.stat().st_size, sha))
     files.append(published_list(files, Path(card_dir)))
-    message = (f"mxspec: {recipe.name}, {run.quantize['scheme']} with AMD Quark, gate {verdict['verdict']}"
-               + (" (forced)" if not verdict["passed"] else ""))
+    message = (f"mxspec: {recipe.name}, {run.quantize.scheme} with AMD Quark, gate {verdict.verdict}"
+               + (" (forced)" if not verdict.passed else ""))
     return PublishPlan(publish.repo_id, hub_endpoint(recipe), publish.private, publish.create_pr, publish.tag, message, files)
 
 
@@ -178,7 +143,7 @@ def published_list(files: list[UploadFile], folder: Path) -> UploadFile:
     """Write mxspec/files.json (the planned files, itself excepted) into `folder`, as a file to upload."""
     local = folder / Path(PUBLISHED_LIST).name
     listing = PublishedFiles(files={f.path_in_repo: f.sha256 for f in files})
-    local.write_text(listing.model_dump_json(by_alias=True, indent=2) + "\n")
+    write_artifact(listing, local)
     return UploadFile(PUBLISHED_LIST, local, local.stat().st_size, hashlib.sha256(local.read_bytes()).hexdigest())
 
 
@@ -479,19 +444,16 @@ class PublishStage:
     def run(self, ctx: StageContext, workdir: Path) -> None:
         recipe = ctx.recipe
         if not recipe.publish.repo_id:
-            (workdir / PUBLISH_FILE).write_text(json.dumps({"published": False, "reason": "no [publish] repo_id"}) + "\n")
+            write_artifact(PublishSkipped(reason="no [publish] repo_id"), workdir / PUBLISH_FILE)
             ctx.console.print("  publish: no \\[publish] repo_id in the recipe; nothing uploaded")
             return
         plan = plan_publish(recipe, ctx.out, workdir, ctx.hashes, force=self.force)  # refuses a failed gate first
         token = hub_token()
         configure_hub_client()
         gate = read_verdict(ctx.stage_dir("gate"))
-        result = publish_plan(plan, token, gate_verdict=gate["verdict"], forced=not gate["passed"])
-        write_result(result, workdir)
+        result = publish_plan(plan, token, gate_verdict=gate.verdict, forced=not gate.passed)
+        write_artifact(result, workdir / PUBLISH_FILE)
         ctx.console.print(f"  publish: {result.repo_id}@{result.revision[:12]} "
                           f"({'new commit, ' + str(len(result.uploaded)) + ' files' if result.created_commit else 'unchanged, no commit'}; "
                           f"{result.verified} files verified)")
 
-
-def write_result(result: PublishResult, folder: Path) -> None:
-    (folder / PUBLISH_FILE).write_text(result.model_dump_json(indent=2) + "\n")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.architectures import linear_layers_from_tensors
+from pipeline.artifacts import QuantizeReport, write_artifact
 from pipeline.atomic import is_disk_full
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.exclusions import (
@@ -374,7 +375,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
 
 class QuantizeStage:
     name = "quantize"
-    version = 1
+    version = 2
     sections = ("quantization", "calibration")
     requires = ("resolve/target.json",)  # the target only: a drafter change never re-quantizes
     tools = ("amd-quark", "torch", "transformers", "safetensors")
@@ -391,13 +392,14 @@ class QuantizeStage:
         summary = quantize_checkpoint(
             Path(target.path), workdir / CHECKPOINT, ctx.recipe.quantization, ctx.recipe.calibration
         )
-        report = {"target": target.ref, "target_digest": target.digest, **asdict(summary), "versions": tool_versions()}
-        (workdir / REPORT).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        logits = summary.verification.get("logits")
+        report = QuantizeReport(target=target.ref, target_digest=target.digest, versions=tool_versions(),
+                                **asdict(summary))
+        write_artifact(report, workdir / REPORT)
+        logits = report.verification.logits
         ctx.console.print(
             f"  {summary.quantized_layers} layers MXFP4 ({summary.mode}), {summary.excluded_layers} kept bf16; "
             f"bit-exact vs the OCP MX encoder"
-            + (f"; top-1 agreement {logits['top1_agreement']:.3f}, KL {logits['kl_bf16_to_mxfp4']:.4f}" if logits else "")
+            + (f"; top-1 agreement {logits.top1_agreement:.3f}, KL {logits.kl_bf16_to_mxfp4:.4f}" if logits else "")
         )
         # The process's peak so far: quantize is the run's first heavy stage, so this is its peak.
         return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}

@@ -7,13 +7,12 @@ The hashes recorded here are what later stages (and the pair check) compare agai
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.artifacts import ResolvedModel, read_artifact, write_artifact
 from pipeline.errors import BadInputError, ExternalError
-from pipeline.hashing import HashCache, digest_of
+from pipeline.hashing import HashCache
 from pipeline.recipe import ModelRef
 from pipeline.runner import StageContext
 
@@ -27,24 +26,6 @@ def resolved_file(role: str) -> str:
 
 class ModelNotAvailableError(ExternalError):
     """The model is neither local nor in the Hub cache, and the Hub cannot be reached."""
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    role: str  # "target" or "drafter"
-    source: str  # "hub" or "local"
-    ref: str  # what the recipe named: "owner/name@revision" or a path
-    revision: str | None  # the commit the Hub resolved to; None for local folders
-    path: str  # local folder holding the files
-    files: dict[str, str]  # relative path -> sha256
-
-    @property
-    def digest(self) -> str:
-        return digest_of(self.files)
-
-    @property
-    def config(self) -> dict:
-        return json.loads((Path(self.path) / "config.json").read_text())
 
 
 def _offline() -> bool:
@@ -101,17 +82,19 @@ def resolve_model(ref: ModelRef, role: str, hashes: HashCache | None = None) -> 
     if not (folder / "config.json").is_file():
         raise BadInputError(f"{role}: {folder} has no config.json; point {role} at a Hugging Face checkpoint")
     files = hashes.tree(folder)
-    return ResolvedModel(role, source, ref.describe(), revision, str(folder.resolve()), files)
+    return ResolvedModel(role=role, source=source, ref=ref.describe(), revision=revision, path=str(folder.resolve()),
+                         files=files)
 
 
 def read_resolved(resolve_dir: Path) -> dict[str, ResolvedModel]:
     """The resolve stage's output, as {'target': ..., 'drafter': ...}."""
-    return {role: ResolvedModel(**json.loads((Path(resolve_dir) / resolved_file(role)).read_text())) for role in ROLES}
+    return {role: read_artifact(Path(resolve_dir) / resolved_file(role), ResolvedModel,
+                                "run `mxspec run RECIPE` again to resolve the models") for role in ROLES}
 
 
 class ResolveStage:
     name = "resolve"
-    version = 1
+    version = 2
     sections = ("target", "drafter")
     requires = ()
     tools = ("huggingface-hub",)
@@ -125,4 +108,4 @@ class ResolveStage:
         for role in ROLES:
             model = resolve_model(getattr(ctx.recipe, role), role, ctx.hashes)
             ctx.console.print(f"  {model.role}: {model.ref} -> {len(model.files)} files, digest {model.digest[:12]}")
-            (workdir / resolved_file(role)).write_text(json.dumps(asdict(model), indent=2, sort_keys=True) + "\n")
+            write_artifact(model, workdir / resolved_file(role))

@@ -83,7 +83,7 @@ class StageResult:
     name: str
     skipped: bool
     path: Path
-    manifest: dict
+    manifest: StageManifest
 
 
 def run_stages(
@@ -123,7 +123,7 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
     fingerprint = _fingerprint(stage, ctx.recipe, inputs)
     previous = read_manifest(final)
     reusable = not force and not getattr(stage, "always_run", False)
-    if reusable and previous and previous.get("fingerprint") == fingerprint and _outputs_intact(final, previous, ctx):
+    if reusable and previous and previous.fingerprint == fingerprint and _outputs_intact(final, previous, ctx):
         ctx.console.print(f"[green]✓[/] {stage.name}: up to date (skipped)")
         return StageResult(stage.name, True, final, previous)
     if must_be_done:
@@ -131,7 +131,7 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
                             f"run `mxspec run RECIPE --out {ctx.out}` first")
 
     ctx.console.print(f"[bold]→ {stage.name}[/]")
-    if previous and previous["stage"] == stage.name and not (final / OWNER_MARK).exists():
+    if previous and previous.stage == stage.name and not (final / OWNER_MARK).exists():
         (final / OWNER_MARK).touch()  # a stage folder of an mxspec from before ownership marks: ours to replace
     started = time.time()
     with atomic_directory(final) as workdir, _disk_full_is_external(stage, ctx):
@@ -153,9 +153,9 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
             finished_at=_iso(time.time()),
             duration_s=round(time.time() - started, 3),
             measured=measured,
-        ).model_dump(by_alias=True)
-        atomic_write_text(workdir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    ctx.console.print(f"[green]✓[/] {stage.name}: done in {manifest['duration_s']:.1f} s")
+        )
+        atomic_write_text(workdir / MANIFEST, json.dumps(manifest.model_dump(by_alias=True), indent=2, sort_keys=True) + "\n")
+    ctx.console.print(f"[green]✓[/] {stage.name}: done in {manifest.duration_s:.1f} s")
     return StageResult(stage.name, False, final, manifest)
 
 
@@ -171,13 +171,12 @@ def _disk_full_is_external(stage: Stage, ctx: StageContext) -> Iterator[None]:
                             f"free space there or choose another --out, then run again (earlier stages are kept)") from None
 
 
-def read_manifest(stage_dir: Path) -> dict | None:
-    """The stage's manifest as a dict, or None when it is missing or not a valid manifest (the stage is redone)."""
+def read_manifest(stage_dir: Path) -> StageManifest | None:
+    """The stage's manifest, or None when it is missing or not a valid manifest (the stage is redone)."""
     try:
-        manifest = StageManifest.model_validate_json((Path(stage_dir) / MANIFEST).read_bytes())
+        return StageManifest.model_validate_json((Path(stage_dir) / MANIFEST).read_bytes())
     except (FileNotFoundError, NotADirectoryError, ValidationError):
         return None
-    return manifest.model_dump(by_alias=True)
 
 
 def is_run_folder(path: Path) -> bool:
@@ -205,9 +204,9 @@ def _input_hashes(stage: Stage, ctx: StageContext) -> dict[str, str]:
     for requirement in stage.requires:
         name, _, file = requirement.partition("/")
         manifest = read_manifest(ctx.stage_dir(name))
-        if manifest is None or (file and file not in manifest["outputs"]):
+        if manifest is None or (file and file not in manifest.outputs):
             raise BadInputError(f"stage '{stage.name}' needs the outputs of '{name}' in {ctx.out}; run it first")
-        outputs = {file: manifest["outputs"][file]} if file else manifest["outputs"]
+        outputs = {file: manifest.outputs[file]} if file else manifest.outputs
         inputs[f"stage:{requirement}"] = digest_of(outputs)
     for name, path in stage.external_inputs(ctx).items():
         path = Path(path)
@@ -233,11 +232,11 @@ def _fingerprint(stage: Stage, recipe: Recipe, inputs: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _outputs_intact(stage_dir: Path, manifest: dict, ctx: StageContext) -> bool:
-    for name, sha in manifest.get("outputs", {}).items():
+def _outputs_intact(stage_dir: Path, manifest: StageManifest, ctx: StageContext) -> bool:
+    for name, sha in manifest.outputs.items():
         path = stage_dir / name
         if not path.is_file() or ctx.hashes.file(path) != sha:
-            ctx.console.print(f"[yellow]![/] {manifest['stage']}: {name} changed or missing; redoing the stage")
+            ctx.console.print(f"[yellow]![/] {manifest.stage}: {name} changed or missing; redoing the stage")
             return False
     return True
 

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import StageManifest, volatile_fields
-from pipeline.publish import PublishResult
+from pipeline.artifacts import PublishResult, StageManifest, volatile_fields
 from pipeline.runner import MANIFEST, read_manifest
 from tests.conftest import local_hub
 
@@ -134,7 +133,7 @@ class Campaign:
         done = mxspec("run", recipe, "--out", out, "--until", until, env=env)
         assert done.returncode == 0, done.stderr
         self.expected = normalized(out)
-        self.durations = {stage: read_manifest(out / stage)["duration_s"] for stage in self.stages}
+        self.durations = {stage: read_manifest(out / stage).duration_s for stage in self.stages}
         self.landed: list[tuple[str, str]] = []  # (kill point, stage the run was in when killed)
 
     def kill_and_rerun(self, point: KillPoint) -> None:
@@ -303,5 +302,5 @@ def test_a_full_disk_during_quantize_fails_cleanly(mxspec, tiny, small_disk, tmp
     assert "Traceback" not in full.stderr
     assert sorted(p.name for p in out.iterdir()) == [".mxspec", "resolve"]  # no temp folder, nothing half-written
     manifest = read_manifest(out / "resolve")
-    for name, digest in manifest["outputs"].items():  # the earlier stage is intact
+    for name, digest in manifest.outputs.items():  # the earlier stage is intact
         assert hashlib.sha256((out / "resolve" / name).read_bytes()).hexdigest() == digest

@@ -9,6 +9,7 @@ from xml.etree import ElementTree
 import pytest
 
 from pipeline.acceptance import AcceptanceStats
+from pipeline.artifacts import ServedRow, write_artifact
 from pipeline.gate import gate_report
 from pipeline.recipe import Gate, Recipe
 from pipeline.validate import build_report, report_settings
@@ -43,13 +44,11 @@ def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, gate:
             per_prompt[(workload, "mxfp4", block)] = per_prompt_stats(quant_accept[workload], num_prompts, 10 * w_index + block, block)
     report = build_report(recipe, per_prompt, {"recipe": recipe.name, "backend": "reference", "target": "/t",
                                                "drafter": "/d", "settings": report_settings(recipe),
-                                               "gate": recipe.gate.model_dump(),
-                                               "versions": {}})
-    if serving is not None:
-        report["serving"] = serving
+                                               "gate": recipe.gate, "versions": {}},
+                          serving=None if serving is None else [ServedRow(**row) for row in serving])
     path = tmp_path / "validate" / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report))
+    write_artifact(report, path)
     return path
 
 
@@ -181,7 +180,7 @@ def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_targe
     report = validate(recipe, reference_target, degraded, recipe.drafter.path, tmp_path / "logs")
     path = tmp_path / "validate" / "report.json"
     path.parent.mkdir()
-    path.write_text(json.dumps(report))
+    write_artifact(report, path)
     result = gate_report(path, recipe.gate)
     assert result.verdict == "fail" and result.exit_code == 1
     check = result.checks[0]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.artifacts import StageManifest, volatile_fields
 from pipeline.errors import BadInputError
 from pipeline.recipe import load_recipe
-from pipeline.artifacts import StageManifest, volatile_fields
 from pipeline.runner import MANIFEST, read_manifest, run_stages
 
 RECIPE = """
@@ -88,11 +88,11 @@ def test_stages_write_folders_with_manifests(setup):
     assert [r.skipped for r in results] == [False, False]
     assert (tmp / "out/second/sub/twice.txt").read_text() == "HELLOmxfp4" * 2
     manifest = read_manifest(tmp / "out/first")
-    assert set(manifest) >= {"fingerprint", "recipe_sha256", "config_sha256", "inputs", "versions", "outputs"}
-    assert list(manifest["outputs"]) == ["data.txt"]
-    assert "source" in manifest["inputs"] and manifest["versions"]["mxspec"]
-    assert list(read_manifest(tmp / "out/second")["outputs"]) == ["sub/twice.txt"]
-    assert "stage:first" in read_manifest(tmp / "out/second")["inputs"]
+    assert manifest.fingerprint and manifest.recipe_sha256 and manifest.config_sha256
+    assert list(manifest.outputs) == ["data.txt"]
+    assert "source" in manifest.inputs and manifest.versions["mxspec"]
+    assert list(read_manifest(tmp / "out/second").outputs) == ["sub/twice.txt"]
+    assert "stage:first" in read_manifest(tmp / "out/second").inputs
 
 
 def test_second_run_skips_everything(setup):
@@ -129,9 +129,9 @@ def test_measurements_go_to_the_manifest_and_redo_nothing_downstream(setup):
     tmp, recipe, source = setup
     first, second = CopyStage(source), ConcatStage()
     run_stages(recipe, tmp / "out", [first, second])
-    assert read_manifest(tmp / "out" / "first")["measured"] == {"runs_so_far": 1.0}
+    assert read_manifest(tmp / "out" / "first").measured == {"runs_so_far": 1.0}
     run_stages(recipe, tmp / "out", [first, second], force=["first"])
-    assert read_manifest(tmp / "out" / "first")["measured"] == {"runs_so_far": 2.0}
+    assert read_manifest(tmp / "out" / "first").measured == {"runs_so_far": 2.0}
     assert (first.runs, second.runs) == (2, 1)  # same outputs, so the next stage is still up to date
     assert volatile_fields(StageManifest) == {"started_at", "finished_at", "duration_s", "measured"}
 
@@ -225,7 +225,7 @@ SLOW_PIPELINE = textwrap.dedent(
 
 
 def _outputs(out: Path) -> dict[str, dict]:
-    return {stage: read_manifest(out / stage)["outputs"] for stage in ("a", "b", "c")}
+    return {stage: read_manifest(out / stage).outputs for stage in ("a", "b", "c")}
 
 
 def test_killed_at_any_moment_resumes_to_the_same_artifacts(setup):

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.acceptance import AcceptanceStats
+from pipeline.artifacts import ServedRow
 from pipeline.recipe import Recipe
 from pipeline.serving.client import Completion, run_requests, scrape_metrics
 from pipeline.serving.server import ServerError, ServerSpec, VllmServer
@@ -34,28 +35,6 @@ class ServerCell:
     @property
     def label(self) -> str:
         return f"{self.precision}-{self.method}" + (f"-b{self.budget}" if self.budget else "")
-
-
-@dataclass(frozen=True)
-class ServedRow:
-    """One row of report["serving"]: a workload at one concurrency on one server."""
-
-    workload: str
-    precision: str
-    method: str
-    budget: int | None
-    concurrency: int
-    num_prompts: int
-    output_tokens: int
-    wall_s: float
-    throughput_tok_s: float
-    latency_p50_s: float
-    latency_max_s: float
-    mean_acceptance_length: float | None  # served, from /metrics; None for AR
-    per_position_acceptance: list[float] | None
-    num_drafts: int
-    speedup: float | None = None  # throughput / AR throughput (same workload, concurrency, precision)
-    identical_to_ar: float | None = None  # fraction of prompts whose greedy tokens equal AR's
 
 
 def server_matrix(recipe: Recipe) -> list[ServerCell]:
@@ -160,10 +139,13 @@ def _row(cell: ServerCell, workload: str, concurrency: int, completions: list[Co
     latencies = [c.latency_s for c in completions]
     if stats is not None and stats.num_drafts == 0:
         raise ServerError(f"{cell.label}: the server reported no speculative steps; is speculation enabled?")
-    return ServedRow(workload, cell.precision, cell.method, cell.budget, concurrency, len(completions), output_tokens,
-                     round(wall, 3), output_tokens / wall, statistics.median(latencies), max(latencies),
-                     stats.mean_acceptance_length if stats else None,
-                     stats.per_position_acceptance if stats else None, stats.num_drafts if stats else 0)
+    return ServedRow(workload=workload, precision=cell.precision, method=cell.method, budget=cell.budget,
+                     concurrency=concurrency, num_prompts=len(completions), output_tokens=output_tokens,
+                     wall_s=round(wall, 3), throughput_tok_s=output_tokens / wall,
+                     latency_p50_s=statistics.median(latencies), latency_max_s=max(latencies),
+                     mean_acceptance_length=stats.mean_acceptance_length if stats else None,
+                     per_position_acceptance=stats.per_position_acceptance if stats else None,
+                     num_drafts=stats.num_drafts if stats else 0)
 
 
 def _with_speedups(rows: list[ServedRow], tokens: dict) -> list[ServedRow]:
@@ -176,9 +158,5 @@ def _with_speedups(rows: list[ServedRow], tokens: dict) -> list[ServedRow]:
         same = None
         if ar_tokens is not None and own is not None and r.method != "ar":
             same = sum(a == b for a, b in zip(ar_tokens, own, strict=True)) / len(own)
-        out.append(replace(r, speedup=r.throughput_tok_s / base if base else None, identical_to_ar=same))
+        out.append(r.model_copy(update={"speedup": r.throughput_tok_s / base if base else None, "identical_to_ar": same}))
     return out
-
-
-def rows_as_json(rows: list[ServedRow]) -> list[dict]:
-    return [asdict(r) for r in rows]

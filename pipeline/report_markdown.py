@@ -1,0 +1,129 @@
+"""A validate report as Markdown for people: the blog's acceptance and serving tables.
+
+Torch-free, so the card (and anything else that renders a finished report) can use it without loading
+the measuring code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.artifacts import ServedRow, ValidateReport
+
+
+@dataclass(frozen=True)
+class ThroughputLift:
+    """MXFP4 over bf16 throughput of one served configuration."""
+
+    workload: str
+    config: str
+    concurrency: int
+    bf16_tok_s: float
+    mxfp4_tok_s: float
+
+    @property
+    def lift(self) -> float:
+        return self.mxfp4_tok_s / self.bf16_tok_s - 1
+
+
+def config_label(row: ServedRow) -> str:
+    """"AR", or the speculative method with its block size, e.g. "DFLASH B=8"."""
+    return row.method.upper() if row.method == "ar" else f"{row.method.upper()} B={row.budget}"
+
+
+def report_markdown(report: ValidateReport) -> str:
+    """report.md: what was measured, the acceptance tables, the verdict, the serving tables, versions."""
+    s = report.settings
+    lines = [f"# Validation report: {report.recipe}", "",
+             (f"Backend `{report.backend}`; target `{report.target}`; drafter `{report.drafter}` (unchanged); "
+             f"{s.num_prompts} prompts per workload, max {s.max_tokens} tokens, "
+             "greedy. Mean acceptance length counts the bonus token."), "",
+             *acceptance_tables(report)]
+    if report.drift:
+        lines += ["", f"Overall verdict: **{report.verdict}** (tolerated drop {report.gate.max_acceptance_length_drop}).",
+                  "", "![acceptance vs budget](acceptance_vs_budget.png)", "",
+                  "![per-position acceptance](per_position_acceptance.png)"]
+    if report.serving:
+        lines += ["", *serving_tables(report.serving)]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items())), ""]
+    return "\n".join(lines)
+
+
+def acceptance_tables(report: ValidateReport) -> list[str]:
+    """AL by budget, and bf16 vs MXFP4 with the delta, as Markdown lines."""
+    cells = {(c.workload, c.precision, c.budget): c for c in report.cells}
+    budgets = sorted({c.budget for c in report.cells})
+    precisions = [p for p in ("bf16", "mxfp4") if any(c.precision == p for c in report.cells)]
+    workloads = list(dict.fromkeys(c.workload for c in report.cells))
+    lines = ["## Acceptance length by budget (DFlash)", "",
+             "| Workload | " + " | ".join(f"{p} block={b}" for b in budgets for p in precisions) + " |",
+             "|---|" + "---|" * (len(budgets) * len(precisions))]
+    for w in workloads:
+        row = [f"{cells[(w, p, b)].mean_acceptance_length:.3f}" if (w, p, b) in cells else "-"
+               for b in budgets for p in precisions]
+        lines.append(f"| {w} | " + " | ".join(row) + " |")
+    if report.drift:
+        lines += ["", "## bf16 vs MXFP4 target (same drafter)", "",
+                  "| Workload | Block | bf16 | MXFP4 | Δ | 95% CI | max per-position gap | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for d in report.drift:
+            base, quant = cells[(d.workload, "bf16", d.budget)], cells[(d.workload, "mxfp4", d.budget)]
+            lines.append(
+                f"| {d.workload} | {d.budget} | {base.mean_acceptance_length:.3f} | "
+                f"{quant.mean_acceptance_length:.3f} | {d.delta:+.3f} | [{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] | "
+                f"{d.max_position_gap:.3f} | **{d.verdict}** |")
+    return lines
+
+
+def serving_tables(rows: list[ServedRow]) -> list[str]:
+    """Speedup over AR per workload and config (best in bold), served vs measured acceptance, and the
+    MXFP4 throughput lift over bf16."""
+    lines = []
+    for precision in dict.fromkeys(r.precision for r in rows):
+        for concurrency in sorted({r.concurrency for r in rows}):
+            subset = [r for r in rows if r.precision == precision and r.concurrency == concurrency]
+            configs = list(dict.fromkeys(config_label(r) for r in subset))
+            lines += [f"## Throughput speedup over AR, {precision} target, concurrency {concurrency} (vLLM)", "",
+                      "| Workload | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+            for workload in dict.fromkeys(r.workload for r in subset):
+                by_config = {config_label(r): r for r in subset if r.workload == workload}
+                best = max(((r.speedup or 0) for c, r in by_config.items() if c != "AR"), default=None)  # bold: fastest speculative
+                cells = []
+                for config in configs:
+                    r = by_config.get(config)
+                    text = "-" if r is None or r.speedup is None else f"{r.speedup:.2f}x ({r.throughput_tok_s:.1f} tok/s)"
+                    cells.append(f"**{text}**" if r is not None and config != "AR" and r.speedup == best else text)
+                lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+            lines.append("")
+    served = [r for r in rows if r.method == "dflash" and r.concurrency == min(x.concurrency for x in rows)]
+    if served:
+        lines += ["## Served vs measured acceptance length (DFlash, same prompts)", "",
+                  "| Workload | Target | Block | served AL (vLLM /metrics) | measured AL (acceptance backend) | greedy tokens = AR |",
+                  "|---|---|---|---|---|---|"]
+        for r in served:
+            measured = r.acceptance_length_measured
+            same = "-" if r.identical_to_ar is None else f"{r.identical_to_ar:.0%}"
+            served_al = "-" if r.mean_acceptance_length is None else f"{r.mean_acceptance_length:.3f}"
+            lines.append(f"| {r.workload} | {r.precision} | {r.budget} | {served_al} | "
+                         f"{'-' if measured is None else f'{measured:.3f}'} | {same} |")
+        lines += ["", ("Served AL can sit slightly above measured AL on the same text: vLLM counts a request's final "
+                  "drafts accepted past `max_tokens` or the stop token, the acceptance backend counts only the tokens "
+                  "kept. Where the texts differ (near-ties on a quantized target) the two measure different "
+                  "continuations."), ""]
+    lifts = throughput_lifts(rows)
+    if lifts:
+        lines += ["## MXFP4 throughput over bf16 (same drafter)", "",
+                  "| Workload | Config | Concurrency | bf16 tok/s | MXFP4 tok/s | lift |", "|---|---|---|---|---|---|"]
+        for lift in lifts:
+            lines.append(f"| {lift.workload} | {lift.config} | {lift.concurrency} | {lift.bf16_tok_s:.1f} | "
+                         f"{lift.mxfp4_tok_s:.1f} | {lift.lift:+.1%} |")
+        lines.append("")
+    return lines
+
+
+def throughput_lifts(rows: list[ServedRow]) -> list[ThroughputLift]:
+    """One per (workload, config, concurrency) served at both precisions."""
+    by_key = {(r.workload, config_label(r), r.concurrency, r.precision): r.throughput_tok_s for r in rows}
+    return [ThroughputLift(workload, config, concurrency, bf16, mxfp4)
+            for (workload, config, concurrency, precision), mxfp4 in by_key.items()
+            if precision == "mxfp4" and (bf16 := by_key.get((workload, config, concurrency, "bf16")))]
