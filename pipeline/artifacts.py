@@ -365,11 +365,11 @@ def read_artifact(path: Path, model: type[ArtifactT], remedy: str) -> ArtifactT:
     except (IsADirectoryError, NotADirectoryError):
         raise BadInputError(f"{path}: not a file; {remedy}") from None
     except OSError as exc:
-        raise BadInputError(f"{path}: cannot read it ({exc.strerror}); {remedy}") from None
+        raise BadInputError(f"{path}: cannot read it ({exc.strerror}); {remedy}") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise BadInputError(f"{path}: '{key}' {first['msg'].lower()}; {remedy}") from None
+        raise BadInputError(f"{path}: '{key}' {first['msg'].lower()}; {remedy}") from exc
 
 
 def write_artifact(artifact: BaseModel, path: Path) -> None:
@@ -385,9 +385,9 @@ def read_validate_report(path: Path) -> ValidateReport:
     except FileNotFoundError:
         raise BadInputError(f"{path}: report not found; pass OUT/validate/report.json of a validate run") from None
     except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError, NotADirectoryError) as exc:
-        raise BadInputError(f"{path}: not a JSON report ({exc.__class__.__name__}); pass OUT/validate/report.json") from None
+        raise BadInputError(f"{path}: not a JSON report ({exc.__class__.__name__}); pass OUT/validate/report.json") from exc
     except OSError as exc:
-        raise BadInputError(f"{path}: cannot read the report ({exc.strerror}); pass a readable file") from None
+        raise BadInputError(f"{path}: cannot read the report ({exc.strerror}); pass a readable file") from exc
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != VALIDATE_SCHEMA:
         raise BadInputError(f"{path}: schema {schema!r} is not {VALIDATE_SCHEMA!r}; regenerate it with `mxspec validate`")
@@ -398,7 +398,7 @@ def read_validate_report(path: Path) -> ValidateReport:
         key = ".".join(str(part) for part in first["loc"]) or "(top level)"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise BadInputError(f"{path}: '{key}' {first['msg'].lower()}{more}; the report was edited or truncated, "
-                            "regenerate it with `mxspec validate`") from None
+                            "regenerate it with `mxspec validate`") from exc
     problems = report.consistency_problems()
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -56,7 +56,7 @@ def check_replaceable(path: Path, what: str = "output folder") -> None:
             raise BadInputError(f"{path}: the {what} already exists and was not written by mxspec; "
                                 "move it away or pick another path (mxspec never replaces what it did not write)")
     except OSError as exc:
-        raise BadInputError(f"{path}: the {what} cannot be inspected ({_why(exc)}); pick another path") from None
+        raise BadInputError(f"{path}: the {what} cannot be inspected ({_why(exc)}); pick another path") from exc
 
 
 def make_dirs(path: Path, what: str = "output folder", shown: Path | None = None) -> Path:
@@ -69,7 +69,7 @@ def make_dirs(path: Path, what: str = "output folder", shown: Path | None = None
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise BadInputError(f"{shown or path}: cannot use it as the {what} ({_why(exc)}); pick a writable folder") from None
+        raise BadInputError(f"{shown or path}: cannot use it as the {what} ({_why(exc)}); pick a writable folder") from exc
     return path
 
 
@@ -108,7 +108,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         tmp.mkdir()
         (tmp / OWNER_MARK).touch()
     except OSError as exc:
-        raise BadInputError(f"{final}: cannot write the output folder ({_why(exc)}); pick a writable path") from None
+        raise BadInputError(f"{final}: cannot write the output folder ({_why(exc)}); pick a writable path") from exc
     try:
         yield tmp
     except BaseException:

@@ -17,7 +17,7 @@ def calibration_text(spec: Calibration) -> str:
         try:
             return spec.path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise BadInputError(f"calibration.path: cannot read {spec.path} ({exc.__class__.__name__})") from None
+            raise BadInputError(f"calibration.path: cannot read {spec.path} ({exc.__class__.__name__})") from exc
     files = sorted(SHIPPED.glob("*.txt"))
     if not files:
         raise BadInputError(f"calibration text missing in {SHIPPED}; restore the repository's calibration/ folder")

@@ -82,7 +82,6 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
 
     quant, pair, report, gate = run.quantize, run.pair, run.report, run.gate
     drafter = pair.drafter
-    budgets = sorted({c.budget for c in report.cells})
     metadata = {
         **({"base_model": base_model_id(recipe), "base_model_relation": "quantized"} if base_model_id(recipe) else {}),
         "library_name": "transformers",
@@ -91,7 +90,7 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         "model-index": [{"name": repo_id, "results": _model_index_results(report)}],
     }
     serving_model = drafter_name(recipe) if recipe.drafter.id else drafter.ref
-    commands = launch_commands(recipe, base_model_name(recipe), repo_id, serving_model, max(budgets))
+    commands = launch_commands(recipe, base_model_name(recipe), repo_id, serving_model, pair.block_size)
     v = report.settings
     lines = [
         "---", yaml.safe_dump(metadata, sort_keys=False).rstrip(), "---", "",

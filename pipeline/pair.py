@@ -123,20 +123,13 @@ def check_unchanged(drafter: ResolvedModel, pinned_digest: str | None, hashes: H
 
 
 def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, block_size: int) -> dict[str, str]:
+    """`vllm serve` for the bf16 target and its MXFP4 checkpoint, each speculating with the drafter at its
+    own block size."""
     from pipeline.serving.server import ServerSpec
 
-    serving = recipe.serving
-    commands = {}
-    for precision, model in (("bf16", target), ("mxfp4", quantized)):
-        spec = ServerSpec(
-            model=model, dtype=serving.dtype, max_model_len=serving.max_model_len,
-            tensor_parallel_size=serving.tensor_parallel_size, max_num_batched_tokens=serving.max_num_batched_tokens,
-            gpu_memory_utilization=serving.gpu_memory_utilization, env=dict(serving.env),
-            extra_args=tuple(serving.extra_args),
-            speculative={"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1},
-        )
-        commands[f"{precision}_dflash_block{block_size}"] = spec.launch_command()
-    return commands
+    return {f"{precision}_dflash_block{block_size}":
+            ServerSpec.from_recipe(recipe, model, "dflash", block_size, drafter).launch_command()
+            for precision, model in (("bf16", target), ("mxfp4", quantized))}
 
 
 class PairStage:

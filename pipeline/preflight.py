@@ -41,7 +41,7 @@ def read_config(folder: Path, role: str) -> dict:
     except FileNotFoundError:
         raise BadInputError(f"{role}: {folder} has no {CONFIG}; point {role} at a Hugging Face checkpoint") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"{path}: unreadable {role} config ({exc.__class__.__name__}); restore the file") from None
+        raise BadInputError(f"{path}: unreadable {role} config ({exc.__class__.__name__}); restore the file") from exc
     if not isinstance(config, dict) or not config:
         raise BadInputError(f"{path}: the {role} config is {json.dumps(config)[:20]}, not a model config; restore the file")
     if role == "target" and not isinstance(config.get("model_type"), str):

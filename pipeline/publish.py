@@ -35,7 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifacts import PublishedFiles, PublishResult, PublishSkipped, write_artifact
+from pipeline.artifacts import (
+    PublishedFiles,
+    PublishResult,
+    PublishSkipped,
+    write_artifact,
+)
 from pipeline.atomic import OWNER_MARK
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError, ExternalError, GateFailedError

@@ -86,7 +86,7 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"{folder}/config.json unreadable ({exc.__class__.__name__}); is this a HF checkpoint?") from None
+        raise BadInputError(f"{folder}/config.json unreadable ({exc.__class__.__name__}); is this a HF checkpoint?") from exc
     index = folder / WEIGHT_INDEX
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -108,7 +108,7 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         except Exception as exc:  # safetensors raises its own error types for a bad header
             raise BadInputError(
                 f"{folder}/{file} is not a valid safetensors file ({exc.__class__.__name__}); re-download it"
-            ) from None
+            ) from exc
     return Checkpoint(folder, config, tensors)
 
 
@@ -153,7 +153,7 @@ def _quark():
     try:
         import quark.torch as quark_torch
     except Exception as exc:
-        raise ExternalError(f"AMD Quark failed to import ({exc.__class__.__name__}: {exc}); reinstall amd-quark==0.13") from None
+        raise ExternalError(f"AMD Quark failed to import ({exc.__class__.__name__}: {exc}); reinstall amd-quark==0.13") from exc
     return quark_torch
 
 
@@ -171,7 +171,7 @@ def _quant_config(template: str, scheme: str, patterns: list[str]):
     except (KeyError, ValueError) as exc:
         raise BadInputError(
             f"Quark has no template {template!r} for scheme {scheme!r} ({exc}); set [quantization] template"
-        ) from None
+        ) from exc
 
 
 def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None:
@@ -350,7 +350,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
     except Exception as exc:
         if is_disk_full(exc):
             raise  # the machine's problem, not Quark's: the runner says so
-        raise ExternalError(f"Quark failed to quantize {source} ({exc.__class__.__name__}: {exc})") from None
+        raise ExternalError(f"Quark failed to quantize {source} ({exc.__class__.__name__}: {exc})") from exc
     carried = _carry_over(checkpoint, out)
     verification = verify_export(checkpoint, out, patterns)
     layers = checkpoint.linear_layers()

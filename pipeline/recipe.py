@@ -210,17 +210,17 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: the recipe is not UTF-8 text; pass a UTF-8 .toml file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc.__class__.__name__}); "
-                          "pass a readable .toml file") from None
+                          "pass a readable .toml file") from exc
     if not text.strip():
         raise RecipeError(f"{path}: the recipe is empty; start from one in recipes/ (e.g. recipes/reference-cpu.toml)")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+        raise RecipeError(f"{path}: not valid TOML: {exc}") from exc
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(_explain(path, text, exc)) from None
+        raise RecipeError(_explain(path, text, exc)) from exc
     return _resolve_paths(recipe, path.parent.resolve())
 
 

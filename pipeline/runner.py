@@ -168,7 +168,7 @@ def _disk_full_is_external(stage: Stage, ctx: StageContext) -> Iterator[None]:
         if not is_disk_full(exc):
             raise
         raise ExternalError(f"{ctx.out}: no space left on the device while writing stage '{stage.name}'; "
-                            f"free space there or choose another --out, then run again (earlier stages are kept)") from None
+                            f"free space there or choose another --out, then run again (earlier stages are kept)") from exc
 
 
 def read_manifest(stage_dir: Path) -> StageManifest | None:

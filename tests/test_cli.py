@@ -43,3 +43,15 @@ def test_missing_recipe_exits_2(mxspec, tmp_path):
     result = mxspec("run", tmp_path / "missing.toml", "--out", tmp_path / "out")
     assert result.returncode == 2 and "recipe not found" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_traceback_switch_shows_the_cause_of_an_mxspec_error(mxspec, tmp_path):
+    """One line by default; MXSPEC_TRACEBACK=1 shows the chain down to the error that caused it."""
+    report = tmp_path / "report.json"
+    report.write_text("{not json")
+    quiet = mxspec("gate", report, "--out", tmp_path / "gate")
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    loud = mxspec("gate", report, "--out", tmp_path / "gate", env={"MXSPEC_TRACEBACK": "1"})
+    assert loud.returncode == 2
+    assert "JSONDecodeError" in loud.stderr and "direct cause of the following exception" in loud.stderr
+    assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip().splitlines()[-1]

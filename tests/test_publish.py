@@ -112,6 +112,9 @@ def test_publish_round_trip_card_and_idempotency(mxspec, run, hub, tmp_path):
     pair = json.loads((out / "pair" / "pair.json").read_text())
     assert pair["drafter"]["digest"] in card.text and all(sha in card.text for sha in pair["drafter"]["files"].values())
     assert "--speculative-config" in card.text and REPO in card.text and "amd-quark" in card.text
+    # the card serves with the drafter's own block, as pair.json does (not the largest validated budget)
+    assert f'"num_speculative_tokens": {pair["block_size"] - 1}' in card.text and pair["block_size"] == 16
+    assert all(f'"num_speculative_tokens": {pair["block_size"] - 1}' in cmd for cmd in pair["launch_commands"].values())
     assert "## Not measured" in card.text
 
     # the drafter's bytes are nowhere in the repo

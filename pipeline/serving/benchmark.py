@@ -49,17 +49,7 @@ def server_matrix(recipe: Recipe) -> list[ServerCell]:
 
 
 def server_spec(recipe: Recipe, cell: ServerCell, model: Path, drafter: Path) -> ServerSpec:
-    s = recipe.serving
-    speculative = None
-    if cell.method == "dflash":
-        speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": cell.budget - 1}
-    elif cell.method == "mtp":
-        speculative = {"method": "mtp", "num_speculative_tokens": cell.budget - 1}
-    extra = tuple(s.extra_args) + (("--no-enable-prefix-caching",) if cell.method == "mtp" else ())
-    return ServerSpec(model=str(model), dtype=s.dtype, max_model_len=s.max_model_len,
-                      tensor_parallel_size=s.tensor_parallel_size, max_num_batched_tokens=s.max_num_batched_tokens,
-                      gpu_memory_utilization=s.gpu_memory_utilization, env=dict(s.env), extra_args=extra,
-                      speculative=speculative, seed=recipe.validation.seed)
+    return ServerSpec.from_recipe(recipe, str(model), cell.method, cell.budget, str(drafter))
 
 
 @dataclass
@@ -129,8 +119,8 @@ def _requests(server: VllmServer, prompts: list[tuple[str, str]], max_tokens: in
             except subprocess.TimeoutExpired:
                 raise exc from None
             raise ServerError(f"vLLM server ({server.spec.model}) died during the benchmark with exit code "
-                              f"{code}; log: {server.log_path}") from None
-        raise exc from None
+                              f"{code}; log: {server.log_path}") from exc
+        raise
 
 
 def _row(cell: ServerCell, workload: str, concurrency: int, completions: list[Completion], wall: float,

@@ -35,9 +35,9 @@ def _post(url: str, payload: dict, timeout: float) -> dict:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         body = exc.read().decode(errors="replace")[:300]
-        raise ServerError(f"{url} answered HTTP {exc.code}: {body}") from None
+        raise ServerError(f"{url} answered HTTP {exc.code}: {body}") from exc
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise ServerError(f"{url} did not answer ({exc.__class__.__name__}: {exc}); did the server die?") from None
+        raise ServerError(f"{url} did not answer ({exc.__class__.__name__}: {exc}); did the server die?") from exc
 
 
 def chat(base_url: str, model: str, prompt_id: str, text: str, max_tokens: int, timeout: float = 600.0) -> Completion:
@@ -84,7 +84,7 @@ def scrape_metrics(base_url: str, timeout: float = 30.0) -> dict[tuple[str, tupl
         with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as response:
             text = response.read().decode()
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise ServerError(f"{base_url}/metrics did not answer ({exc.__class__.__name__}); did the server die?") from None
+        raise ServerError(f"{base_url}/metrics did not answer ({exc.__class__.__name__}); did the server die?") from exc
     samples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

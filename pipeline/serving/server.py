@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ExternalError
+from pipeline.recipe import Recipe
 from pipeline.serving.watchdog import group_alive, start_watched_group
 from pipeline.versions import package_version
 
@@ -44,6 +45,24 @@ class ServerSpec:
     seed: int = 0
     env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, model: str, method: str = "ar", budget: int | None = None,
+                    drafter: str | None = None) -> ServerSpec:
+        """The one way a recipe's [serving] section becomes a vLLM server: validate's matrix, the pair
+        manifest and the model card all launch through here. `budget` is the speculative block
+        (num_speculative_tokens = budget - 1); MTP runs without prefix caching."""
+        s = recipe.serving
+        speculative = None
+        if method == "dflash":
+            speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": budget - 1}
+        elif method == "mtp":
+            speculative = {"method": "mtp", "num_speculative_tokens": budget - 1}
+        extra = tuple(s.extra_args) + (("--no-enable-prefix-caching",) if method == "mtp" else ())
+        return cls(model=str(model), dtype=s.dtype, max_model_len=s.max_model_len,
+                   tensor_parallel_size=s.tensor_parallel_size, max_num_batched_tokens=s.max_num_batched_tokens,
+                   gpu_memory_utilization=s.gpu_memory_utilization, env=dict(s.env), extra_args=extra,
+                   speculative=speculative, seed=recipe.validation.seed)
 
     def args(self) -> list[str]:
         """`vllm serve` arguments after the model, minus host and port."""
