@@ -4,6 +4,7 @@ and the acceptance invariants: 1 <= AL <= B, per-position curve non-increasing, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,20 @@ def test_mxfp4_target_decodes_weights_once_with_identical_logits(report):
         decoded = decode_weights_once(model)(tokens).logits
     assert not any(getattr(m, "weight_quantizer", None) for m in model.modules())
     assert torch.equal(packed, decoded)
+
+
+@pytest.mark.parametrize("model", ["tiny/qwen3.5-tiny", "tiny/qwen3.5-moe-tiny", "smollm2-135m-instruct"])
+def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(model):
+    """Validate generates the target's continuations in left-padded batches; the tokens must be those of
+    unbatched greedy decoding, for hybrid linear-attention layers too."""
+    from transformers import AutoTokenizer
+
+    from pipeline.validate import greedy_continuations, load_target
+    from pipeline.workloads import load_prompts
+
+    path = Path(__file__).resolve().parent.parent / "models" / model
+    target, tokenizer = load_target(path, "bf16"), AutoTokenizer.from_pretrained(path)
+    prompts = load_prompts("gsm8k", 3, seed=0) + load_prompts("mt-bench", 3, seed=0)  # 53 to 691 tokens
+    batched = greedy_continuations(target, tokenizer, prompts, 16, batch_size=len(prompts))
+    assert len({length for _, length in batched}) == len(prompts)  # every row padded differently
+    assert batched == greedy_continuations(target, tokenizer, prompts, 16, batch_size=1)

