@@ -17,7 +17,6 @@ from pipeline.errors import BadInputError, MxspecError
 from pipeline.hashing import HashCache
 from pipeline.publish import PUBLISH_FILE, PublishStage, plan_publish
 from pipeline.recipe import Recipe
-from pipeline.runner import run_stages
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,11 @@ def _failed(recipe: Recipe, repo: str, message: str, exit_code: int, console) ->
 
 def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
     # every stage's module (torch among them) is imported here, not for a dry run
-    from pipeline.stages import PIPELINE
+    from pipeline.stages import run_pipeline
 
     if not recipe.publish.repo_id:
         raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")
-    earlier = tuple(stage for stage in PIPELINE if stage.name != PublishStage.name)
-    run_stages(recipe, out, (*earlier, PublishStage(force=force)), must_be_done=[s.name for s in earlier], console=console)
+    run_pipeline(recipe, out, until=PublishStage.name, only_last=True, publish_failed_gate=force, console=console)
     result = PublishResult.model_validate_json((Path(out) / "publish" / PUBLISH_FILE).read_bytes())
     state = "new commit" if result.created_commit else "unchanged (no commit)"
     if result.pr_url:

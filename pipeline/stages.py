@@ -30,16 +30,19 @@ def run_pipeline(
     until: str | None = None,
     force: tuple[str, ...] = (),
     only_last: bool = False,
+    publish_failed_gate: bool = False,
     console: Console | None = None,
 ) -> list[StageResult]:
     """Run every stage up to and including `until` (default: all), resuming what is done.
 
-    With `only_last`, the stages before `until` must already be up to date (nothing is recomputed)."""
+    With `only_last`, the stages before `until` must already be up to date (nothing is recomputed).
+    `publish_failed_gate` lets the publish stage upload a run whose gate did not pass (recorded)."""
     names = [stage.name for stage in PIPELINE]
     unknown = [name for name in (*force, *([until] if until else [])) if name not in names]
     if unknown:
         raise BadInputError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(names)}")
-    stages = PIPELINE[: names.index(until) + 1] if until else PIPELINE
+    pipeline = (*PIPELINE[:-1], PublishStage(force=publish_failed_gate))
+    stages = pipeline[: names.index(until) + 1] if until else pipeline
     must_be_done = tuple(stage.name for stage in stages[:-1]) if only_last else ()
     preflight(recipe, out)
     return run_stages(recipe, out, stages, force=force, must_be_done=must_be_done, console=console)
