@@ -5,8 +5,8 @@ acceptance in plain PyTorch over the HF target: the target's greedy continuation
 generated once, the target runs once over prompt + continuation for its hidden states, and
 `speculative.replay_acceptance` walks the steps a greedy speculative run takes (identical to the
 online loop, `speculative.generate_online`, which the tests keep as the cross-check). Drift rows
-compare the precisions with bootstrap intervals (`drift`). Outputs: report.json (schema below,
-documented in the README), report.md (the blog's tables) and PNG figures.
+compare the precisions with bootstrap intervals (`drift`). Outputs: report.json (schema
+docs/schemas/validate.schema.json), report.md (the blog's tables) and PNG figures.
 """
 
 from __future__ import annotations
