@@ -67,7 +67,7 @@ class StageManifest(BaseModel):
 
 
 class _Artifact(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
 
 
 ArtifactT = TypeVar("ArtifactT", bound=BaseModel)
@@ -149,8 +149,6 @@ class ValidateReport(_Artifact):
     drift: list[DriftRow]
     verdict: Literal["pass", "fail", "inconclusive", "not measured"]
     serving: list[ServedRow] | None = None
-
-    model_config = ConfigDict(populate_by_name=True)
 
     def cell(self, workload: str, precision: str, budget: int) -> AcceptanceCell | None:
         return next((c for c in self.cells if (c.workload, c.precision, c.budget) == (workload, precision, budget)), None)
@@ -247,8 +245,6 @@ class ExportVerification(_Artifact):
 class QuantizeReport(_Artifact):
     """quantize/mxspec-quantize.json."""
 
-    model_config = ConfigDict(populate_by_name=True)
-
     schema_: Literal["mxspec.quantize/1"] = Field(QUANTIZE_SCHEMA, alias="schema")
     target: str
     target_digest: str
@@ -283,8 +279,6 @@ class DrafterRef(ModelRef):
 class PairManifest(_Artifact):
     """pair/pair.json: the bf16 target, its MXFP4 export and the unchanged drafter that serves both."""
 
-    model_config = ConfigDict(populate_by_name=True)
-
     schema_: Literal["mxspec.pair/1"] = Field(PAIR_SCHEMA, alias="schema")
     target: ModelRef
     quantized_target: QuantizedRef
@@ -307,8 +301,6 @@ class GateCheck(_Artifact):
 class GateVerdict(_Artifact):
     """gate/verdict.json. `verdict` is before the inconclusive policy, `passed` after it."""
 
-    model_config = ConfigDict(populate_by_name=True)
-
     schema_: Literal["mxspec.gate/1"] = Field(GATE_SCHEMA, alias="schema")
     verdict: Verdict
     passed: bool
@@ -321,8 +313,6 @@ class GateVerdict(_Artifact):
 
 class PublishedFiles(_Artifact):
     """mxspec/files.json in a published repo: the files this publish owns there (path -> sha256)."""
-
-    model_config = ConfigDict(populate_by_name=True)
 
     schema_: Literal["mxspec.published-files/1"] = Field(PUBLISHED_LIST_SCHEMA, alias="schema")
     files: dict[str, str]

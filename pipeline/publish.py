@@ -44,7 +44,6 @@ from pipeline.artifacts import (
 from pipeline.atomic import OWNER_MARK
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError, ExternalError, GateFailedError
-from pipeline.gate import read_verdict
 from pipeline.hashing import HashCache, list_files
 from pipeline.recipe import Recipe
 from pipeline.runner import StageContext
@@ -84,6 +83,8 @@ class PublishPlan:
     tag: str | None
     commit_message: str
     files: list[UploadFile]
+    gate_verdict: str  # the gate's verdict the plan was made under
+    forced: bool  # publishing although the gate did not pass
 
     @property
     def total_bytes(self) -> int:
@@ -114,7 +115,7 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     for stage in ("quantize", "pair", "validate", "gate"):
         if not (run.out / stage / "manifest.json").is_file():
             raise BadInputError(f"{run.out}: stage '{stage}' has not run; run `mxspec run RECIPE --out {run.out}` first")
-    verdict = read_verdict(run.out / "gate")
+    verdict = run.gate
     if not verdict.passed and not force:
         raise GateFailedError(f"refusing to publish: the gate verdict is {verdict.verdict} (see "
                               f"{run.out / 'gate' / 'summary.md'}); fix the checkpoint, or pass --force to publish anyway")
@@ -141,7 +142,8 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     files.append(published_list(files, Path(card_dir)))
     message = (f"mxspec: {recipe.name}, {run.quantize.scheme} with AMD Quark, gate {verdict.verdict}"
                + (" (forced)" if not verdict.passed else ""))
-    return PublishPlan(publish.repo_id, hub_endpoint(recipe), publish.private, publish.create_pr, publish.tag, message, files)
+    return PublishPlan(publish.repo_id, hub_endpoint(recipe), publish.private, publish.create_pr, publish.tag, message, files,
+                       gate_verdict=verdict.verdict, forced=not verdict.passed)
 
 
 def published_list(files: list[UploadFile], folder: Path) -> UploadFile:
@@ -152,7 +154,7 @@ def published_list(files: list[UploadFile], folder: Path) -> UploadFile:
     return UploadFile(PUBLISHED_LIST, local, local.stat().st_size, hashlib.sha256(local.read_bytes()).hexdigest())
 
 
-def publish_plan(plan: PublishPlan, token: str, *, gate_verdict: str = "", forced: bool = False) -> PublishResult:
+def publish_plan(plan: PublishPlan, token: str) -> PublishResult:
     """Create the repo if needed, commit what differs from the remote (stale files deleted), tag, verify.
     Idempotent."""
     from huggingface_hub import HfApi
@@ -171,7 +173,7 @@ def publish_plan(plan: PublishPlan, token: str, *, gate_verdict: str = "", force
     return PublishResult(repo_id=plan.repo_id, endpoint=plan.endpoint, revision=revision,
                          created_commit=bool(changed or stale), uploaded=[f.path_in_repo for f in changed],
                          deleted=stale, verified=verified, pr_url=pr_url,
-                         tag=plan.tag if not plan.create_pr else None, gate_verdict=gate_verdict, forced=forced,
+                         tag=plan.tag if not plan.create_pr else None, gate_verdict=plan.gate_verdict, forced=plan.forced,
                          files={f.path_in_repo: f.sha256 for f in plan.files})
 
 
@@ -455,8 +457,7 @@ class PublishStage:
         plan = plan_publish(recipe, ctx.out, workdir, ctx.hashes, force=self.force)  # refuses a failed gate first
         token = hub_token()
         configure_hub_client()
-        gate = read_verdict(ctx.stage_dir("gate"))
-        result = publish_plan(plan, token, gate_verdict=gate.verdict, forced=not gate.passed)
+        result = publish_plan(plan, token)
         write_artifact(result, workdir / PUBLISH_FILE)
         ctx.console.print(f"  publish: {result.repo_id}@{result.revision[:12]} "
                           f"({'new commit, ' + str(len(result.uploaded)) + ' files' if result.created_commit else 'unchanged, no commit'}; "

@@ -193,10 +193,10 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
             "target": str(target_path), "drafter": str(drafter_path), "settings": report_settings(recipe),
             "gate": recipe.gate, "versions": tool_versions()}
-    if serving is None:
-        return build_report(recipe, per_prompt, meta)
-    measured = build_report(recipe, per_prompt, meta)
-    return measured.model_copy(update={"serving": _served_rows(serving, measured.cells)})
+    report = build_report(recipe, per_prompt, meta)
+    if serving is not None:
+        report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
+    return report
 
 
 def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
