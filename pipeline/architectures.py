@@ -24,13 +24,18 @@ Checkpoint names versus the transformers model (transformers 5.x):
 from __future__ import annotations
 
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from pipeline.checkpoint import (
+    linear_layers_from_tensors,
+    split_fused_experts,
+    text_config,
+)
 
 DATA_DIR = Path(__file__).with_name("architectures_data")
 
@@ -42,8 +47,6 @@ DRAFTERS: dict[str, str] = {
 NAMES: tuple[str, ...] = (*TARGETS, *DRAFTERS.values())
 
 MTP_PREFIX = "mtp."
-FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_EMBEDDINGS = ("embed_tokens.weight", "pos_embed.weight")
 
 
 def _data(name: str) -> dict[str, Any]:
@@ -67,11 +70,6 @@ def load_source(name: str) -> dict[str, Any]:
 
 def is_drafter(config: dict[str, Any]) -> bool:
     return "DFlashDraftModel" in config.get("architectures", [])
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of a (possibly multimodal) target config."""
-    return config.get("text_config", config)
 
 
 def hf_config(config: str | dict[str, Any]):
@@ -147,18 +145,11 @@ def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         layer = _decoder_layer_class(text["model_type"])(text_cfg, full_idx)
     layer_shapes: dict[str, tuple[int, ...]] = {}
     for key, tensor in layer.state_dict().items():
-        fused = FUSED_EXPERTS.match(key)
-        if fused is None:
+        pieces = split_fused_experts(key, tuple(tensor.shape))
+        if pieces is None:
             layer_shapes[key] = tuple(tensor.shape)
-            continue
-        experts, rows, cols = tensor.shape
-        for e in range(experts):
-            base = f"{fused['prefix']}.{e}"
-            if fused["kind"] == "gate_up_proj":
-                layer_shapes[f"{base}.gate_proj.weight"] = (rows // 2, cols)
-                layer_shapes[f"{base}.up_proj.weight"] = (rows // 2, cols)
-            else:
-                layer_shapes[f"{base}.down_proj.weight"] = (rows, cols)
+        else:
+            layer_shapes.update((piece.name, piece.shape) for piece in pieces)
     shapes: dict[str, tuple[int, ...]] = {
         "mtp.fc.weight": (hidden, 2 * hidden),
         "mtp.norm.weight": (hidden,),
@@ -184,26 +175,6 @@ def _checkpoint_tensor_names(name: str) -> tuple[tuple[str, tuple[int, ...]], ..
 def checkpoint_tensor_names(name: str) -> dict[str, tuple[int, ...]]:
     """Every tensor of the real safetensors checkpoint: name -> shape (`mtp.*` included)."""
     return dict(_checkpoint_tensor_names(name))
-
-
-def linear_layers_from_tensors(tensors: dict[str, tuple[int, ...]]) -> list[str]:
-    """Module names of the Linear-like layers in a checkpoint's tensor listing.
-
-    A Linear-like layer is a 2-D `X.weight` that is not an embedding table (`embed_tokens`,
-    `pos_embed`); this includes `lm_head`, `mtp.fc`, the MoE router `mlp.gate` and
-    `shared_expert_gate`, and the vision tower's Linears. Convolutions (`conv1d`, the vision
-    `patch_embed.proj`) are not Linear. Fused 3-D experts expand to the per-expert names Quark and
-    vLLM use: `mlp.experts.{e}.gate_proj`, `.up_proj`, `.down_proj`.
-    """
-    names: list[str] = []
-    for key, shape in tensors.items():
-        fused = FUSED_EXPERTS.match(key)
-        if fused is not None and len(shape) == 3:
-            kinds = ("gate_proj", "up_proj") if fused["kind"] == "gate_up_proj" else ("down_proj",)
-            names += [f"{fused['prefix']}.{e}.{kind}" for e in range(shape[0]) for kind in kinds]
-        elif key.endswith(".weight") and len(shape) == 2 and not key.endswith(_EMBEDDINGS):
-            names.append(key.removesuffix(".weight"))
-    return names
 
 
 def linear_layers(name: str) -> list[str]:

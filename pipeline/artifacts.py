@@ -17,14 +17,15 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline import layout
 from pipeline.errors import BadInputError
 from pipeline.hashing import digest_of
-from pipeline.recipe import Gate
+from pipeline.recipe import Gate, PromptSource
 
 MANIFEST_SCHEMA = 1
 QUANTIZE_SCHEMA = "mxspec.quantize/1"
 PAIR_SCHEMA = "mxspec.pair/1"
-VALIDATE_SCHEMA = "mxspec.validate/2"
+VALIDATE_SCHEMA = "mxspec.validate/3"
 GATE_SCHEMA = "mxspec.gate/1"
 PUBLISHED_LIST_SCHEMA = "mxspec.published-files/1"
 Verdict = Literal["pass", "fail", "inconclusive"]
@@ -80,6 +81,8 @@ class ReportSettings(_Artifact):
     num_prompts: Annotated[int, Field(ge=1)]
     max_tokens: Annotated[int, Field(ge=1)]
     seed: int
+    prompt_source: PromptSource
+    prompt_sets: dict[str, str]  # workload -> where its prompts came from (dataset or package file, version)
 
 
 class AcceptanceCell(_Artifact):
@@ -137,7 +140,7 @@ class ServedRow(_Artifact):
 class ValidateReport(_Artifact):
     """validate/report.json."""
 
-    schema_: Literal["mxspec.validate/2"] = Field(VALIDATE_SCHEMA, alias="schema")
+    schema_: Literal["mxspec.validate/3"] = Field(VALIDATE_SCHEMA, alias="schema")
     recipe: str
     backend: Literal["reference", "vllm"]
     target: str
@@ -396,16 +399,16 @@ def read_validate_report(path: Path) -> ValidateReport:
     return report
 
 
-# Every JSON file mxspec writes: schema name -> (where it lives, its model). A run folder's layout in one place.
+# Every JSON file mxspec writes: schema name -> (where it lives, see `layout`, and its model).
 ARTIFACTS: dict[str, tuple[str, Any]] = {
-    "manifest": ("OUT/<stage>/manifest.json", StageManifest),
-    "resolved": ("OUT/resolve/<role>.json", ResolvedModel),
-    "quantize": ("OUT/quantize/mxspec-quantize.json", QuantizeReport),
-    "pair": ("OUT/pair/pair.json", PairManifest),
-    "validate": ("OUT/validate/report.json", ValidateReport),
-    "gate": ("OUT/gate/verdict.json", GateVerdict),
-    "publish": ("OUT/publish/publish.json", PublishResult | PublishSkipped),
-    "published-files": ("mxspec/files.json in the published Hub repo", PublishedFiles),
+    "manifest": (f"OUT/<stage>/{layout.MANIFEST}", StageManifest),
+    "resolved": (f"OUT/resolve/{layout.resolved_file('<role>')}", ResolvedModel),
+    "quantize": (f"OUT/quantize/{layout.QUANTIZE_REPORT}", QuantizeReport),
+    "pair": (f"OUT/pair/{layout.PAIR_FILE}", PairManifest),
+    "validate": (f"OUT/validate/{layout.REPORT_FILE}", ValidateReport),
+    "gate": (f"OUT/gate/{layout.VERDICT_FILE}", GateVerdict),
+    "publish": (f"OUT/publish/{layout.PUBLISH_FILE}", PublishResult | PublishSkipped),
+    "published-files": (f"{layout.PUBLISHED_LIST} in the published Hub repo", PublishedFiles),
 }
 
 

@@ -22,6 +22,7 @@ from pipeline.artifacts import (
     read_artifact,
     read_validate_report,
 )
+from pipeline.layout import REPO_FIGURES, RunLayout
 from pipeline.recipe import Recipe
 from pipeline.report_figures import FIGURES
 from pipeline.report_markdown import acceptance_tables
@@ -36,31 +37,36 @@ class RunArtifacts:
 
     out: Path
 
-    def _read(self, stage: str, name: str, model):
-        return read_artifact(self.out / stage / name, model, REDO.format(out=self.out))
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.out)
+
+    def _read(self, path: Path, model):
+        return read_artifact(path, model, REDO.format(out=self.out))
 
     @cached_property  # each report is read once per run, however often the card and the plan ask
     def quantize(self) -> QuantizeReport:
-        return self._read("quantize", "mxspec-quantize.json", QuantizeReport)
+        return self._read(self.layout.quantize_report, QuantizeReport)
 
     @cached_property
     def pair(self) -> PairManifest:
-        return self._read("pair", "pair.json", PairManifest)
+        return self._read(self.layout.pair, PairManifest)
 
     @cached_property
     def report(self) -> ValidateReport:
-        return read_validate_report(self.out / "validate" / "report.json")
+        return read_validate_report(self.layout.report)
 
     @cached_property
     def gate(self) -> GateVerdict:
-        return self._read("gate", "verdict.json", GateVerdict)
+        return self._read(self.layout.verdict, GateVerdict)
 
     @property
     def checkpoint(self) -> Path:
-        return self.out / "quantize" / "checkpoint"
+        return self.layout.checkpoint
 
     def figures(self) -> list[Path]:
-        return [self.out / "validate" / name for name in FIGURES if (self.out / "validate" / name).is_file()]
+        folder = self.layout.stage("validate")
+        return [folder / name for name in FIGURES if (folder / name).is_file()]
 
 
 def base_model_id(recipe: Recipe) -> str | None:
@@ -121,7 +127,7 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         (f"Gate: **{gate.verdict}** ({'passed' if gate.passed else 'did not pass'} under its policy: mean AL drop "
         f"<= {gate.thresholds.max_acceptance_length_drop}, per-position drop <= {gate.thresholds.max_position_gap}, "
         f"inconclusive counts as {gate.thresholds.on_inconclusive})."), "",
-        *[f"![{p.stem.replace('_', ' ')}](figures/{p.name})" for p in run.figures()],
+        *[f"![{p.stem.replace('_', ' ')}]({REPO_FIGURES}/{p.name})" for p in run.figures()],
         "",
         *_throughput_section(report),
         "## Serve it with vLLM", "",

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline.errors import MxspecError
+from pipeline.layout import RunLayout
 from pipeline.recipe import Recipe, load_recipe
 
 app = typer.Typer(
@@ -118,7 +119,7 @@ def run(
     done = ", ".join(f"{r.name} ({'skipped' if r.skipped else 'ran'})" for r in results)
     err.print(f"[green]run complete[/] in {out}: {done}")
     if any(r.name == "gate" for r in results):
-        raise_unless_passed(out / "gate")
+        raise_unless_passed(RunLayout(out).stage("gate"))
 
 
 @app.command()
@@ -128,7 +129,8 @@ def quantize(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     from pipeline.stages import run_pipeline
 
     run_pipeline(load_recipe(recipe), out, until="quantize")
-    err.print(f"[green]quantized[/] -> {out / 'quantize' / 'checkpoint'} (report: {out / 'quantize' / 'mxspec-quantize.json'})")
+    run = RunLayout(out)
+    err.print(f"[green]quantized[/] -> {run.checkpoint} (report: {run.quantize_report})")
 
 
 @app.command()
@@ -138,7 +140,7 @@ def pair(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     from pipeline.stages import run_pipeline
 
     run_pipeline(load_recipe(recipe), out, until="pair")
-    err.print(f"[green]paired[/] -> {out / 'pair' / 'pair.json'} (launch commands inside)")
+    err.print(f"[green]paired[/] -> {RunLayout(out).pair} (launch commands inside)")
 
 
 @app.command()
@@ -148,9 +150,10 @@ def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     from pipeline.artifacts import read_validate_report
     from pipeline.stages import run_pipeline
 
-    results = run_pipeline(load_recipe(recipe), out, until="validate")
-    report = read_validate_report(results[-1].path / "report.json")
-    err.print(f"[green]validated[/]: verdict {report.verdict} -> {out / 'validate' / 'report.md'}")
+    run_pipeline(load_recipe(recipe), out, until="validate")
+    run = RunLayout(out)
+    report = read_validate_report(run.report)
+    err.print(f"[green]validated[/]: verdict {report.verdict} -> {run.report_markdown}")
 
 
 @app.command()
@@ -175,7 +178,7 @@ def gate(
 
     thresholds = load_recipe(recipe).gate if recipe else None
     result = gate_report(report, thresholds)
-    folder = Path(os.path.abspath(out or report.resolve().parent.parent / "gate"))
+    folder = Path(os.path.abspath(out or RunLayout(report.resolve().parent.parent).stage("gate")))
     # Inside a run folder, wait for no other mxspec run to hold it (the gate is one of its stages).
     with hold_run_folder(folder.parent) if is_run_folder(folder.parent) else nullcontext():
         with atomic_directory(folder) as tmp:

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 
 import torch
 
-from pipeline.architectures import FUSED_EXPERTS
+from pipeline.checkpoint import (
+    copy_side_files,
+    expert_slice,
+    shard_files,
+    split_fused_experts,
+    write_index,
+)
 from pipeline.mxfp4 import GROUP_SIZE
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
@@ -113,18 +118,14 @@ def _plan_shard(header: dict[str, tuple[tuple[int, ...], str]], order: list[str]
 
     for name in order:
         shape, dtype = header[name]
-        fused = FUSED_EXPERTS.match(name)
-        if fused and len(shape) == 3:
-            experts = shape[0]
-            per_expert = [(f"{fused['prefix']}.{e}.{k}.weight", e, k) for e in range(experts)
-                          for k in (("gate_proj", "up_proj") if fused["kind"] == "gate_up_proj" else ("down_proj",))]
-            if not any(out.removesuffix(".weight") in quantized for out, _, _ in per_expert):
+        pieces = split_fused_experts(name, shape)
+        if pieces is not None:
+            if not any(piece.module in quantized for piece in pieces):
                 entries.append((name, dtype, shape))  # an excluded MoE block keeps its fused layout
                 work.append((name, None, None, name))
                 continue
-            rows = shape[1] // 2 if fused["kind"] == "gate_up_proj" else shape[1]
-            for out_name, e, kind in per_expert:
-                add_weight(out_name, (rows, shape[2]), dtype, name, e, kind)
+            for piece in pieces:
+                add_weight(piece.name, piece.shape, dtype, name, piece.expert, piece.kind)
         elif name.endswith(".weight") and len(shape) == 2:
             add_weight(name, shape, dtype, name, None, None)
         else:
@@ -141,11 +142,8 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
     )
 
     weight_config = quant_config.global_quant_config.weight
-    index_path = source / "model.safetensors.index.json"
-    shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists() \
-        else sorted(p.name for p in source.glob("*.safetensors"))
     weight_map: dict[str, str] = {}
-    for shard in shards:
+    for shard in shard_files(source):
         handle = ShardReader(source / shard)
         try:
             header = {name: (handle.shape(name), handle.dtype(name)) for name in handle.header}
@@ -158,10 +156,7 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
                     cached_name, cached = source_name, handle.get(source_name)
                 tensor = cached
                 if expert is not None:
-                    tensor = tensor[expert]
-                    if kind in ("gate_proj", "up_proj"):
-                        tensor = tensor.chunk(2, dim=0)[0 if kind == "gate_proj" else 1]
-                    tensor = tensor.contiguous()
+                    tensor = expert_slice(tensor, expert, kind).contiguous()
                 if out_name.removesuffix(".weight") in quantized_modules:
                     produced: dict[str, torch.Tensor] = {}
                     _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
@@ -176,12 +171,7 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
             cached = None
         finally:
             handle.close()
-    for path in source.iterdir():
-        if path.is_file() and path.suffix in {".json", ".jinja", ".txt", ".model", ".py", ".md", ".tiktoken"} \
-                and path.name not in {"config.json", "model.safetensors.index.json"}:
-            shutil.copy2(path, out / path.name)
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
-    )
+    copy_side_files(source, out, overwrite=True)
+    write_index(out, weight_map)
     _export_quant_config(json.loads((source / "config.json").read_text()), quant_config, str(out))
     return weight_map

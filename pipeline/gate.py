@@ -28,10 +28,10 @@ from pipeline.artifacts import (
 from pipeline.drift import decide
 from pipeline.errors import BadInputError, GateFailedError
 from pipeline.hashing import sha256_file
+from pipeline.layout import JUNIT_FILE, SUMMARY_FILE, VERDICT_FILE
 from pipeline.recipe import Gate
 from pipeline.runner import StageContext
 
-VERDICT_FILE, SUMMARY_FILE, JUNIT_FILE = "verdict.json", "summary.md", "junit.xml"
 SEVERITY = {"pass": 0, "inconclusive": 1, "fail": 2}
 
 
@@ -161,7 +161,7 @@ class GateStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> None:
-        result = gate_report(ctx.stage_dir("validate") / "report.json", ctx.recipe.gate)
+        result = gate_report(ctx.run.report, ctx.recipe.gate)
         write_gate_outputs(result, workdir)
         ctx.console.print(f"  gate: {ICON[result.verdict]} ({len(result.checks)} checks; "
                           f"{'passes' if result.passed else 'fails'} under the recipe's policy)")

@@ -15,7 +15,8 @@ from rich.markup import escape
 from pipeline.artifacts import PublishResult
 from pipeline.errors import BadInputError, MxspecError
 from pipeline.hashing import HashCache
-from pipeline.publish import PUBLISH_FILE, PublishStage, plan_publish
+from pipeline.layout import RunLayout
+from pipeline.publish import PublishStage, plan_publish
 from pipeline.recipe import Recipe
 
 
@@ -62,7 +63,7 @@ def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
     if not recipe.publish.repo_id:
         raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")
     run_pipeline(recipe, out, until=PublishStage.name, only_last=True, publish_failed_gate=force, console=console)
-    result = PublishResult.model_validate_json((Path(out) / "publish" / PUBLISH_FILE).read_bytes())
+    result = PublishResult.model_validate_json(RunLayout(Path(out)).publish_result.read_bytes())
     state = "new commit" if result.created_commit else "unchanged (no commit)"
     if result.pr_url:
         state += f", PR {result.pr_url}"
@@ -72,7 +73,7 @@ def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
 
 def _plan_only(recipe: Recipe, out: Path, force: bool) -> JobOutcome:
     with tempfile.TemporaryDirectory() as card_dir:
-        hashes = HashCache(Path(out) / ".mxspec" / "hash-cache.json")
+        hashes = HashCache(RunLayout(Path(out)).hash_cache)
         plan = plan_publish(recipe, out, Path(card_dir), hashes, force=force)
     size = plan.total_bytes / 1e9
     where = f"{plan.endpoint}/{plan.repo_id}" + (" (PR)" if plan.create_pr else "") + (f", tag {plan.tag}" if plan.tag else "")

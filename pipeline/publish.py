@@ -45,15 +45,17 @@ from pipeline.atomic import OWNER_MARK
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError, ExternalError, GateFailedError
 from pipeline.hashing import HashCache, list_files
+from pipeline.layout import (
+    CARD_FILE,
+    PUBLISH_FILE,
+    PUBLISHED_LIST,
+    REPO_FIGURES,
+    REPO_REPORTS,
+)
 from pipeline.recipe import Recipe
 from pipeline.runner import StageContext
 
-PUBLISH_FILE = "publish.json"
-CARD_FILE = "README.md"
-PUBLISHED_LIST = "mxspec/files.json"  # in the repo: every file the last mxspec publish put there
 HUB_MANAGED = frozenset({".gitattributes"})  # created by the Hub with the repo; never planned, never deleted
-REPORTS = (("quantize", "mxspec-quantize.json"), ("pair", "pair.json"), ("validate", "report.json"),
-           ("validate", "report.md"), ("gate", "verdict.json"), ("gate", "summary.md"))
 DEFAULT_ENDPOINT = "https://huggingface.co"
 RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 ATTEMPTS = 5  # per step: the first try and four retries
@@ -112,13 +114,13 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     if not publish.repo_id:
         raise BadInputError("[publish] repo_id is not set in the recipe; add repo_id = 'owner/name' to publish")
     run = RunArtifacts(Path(out))
-    for stage in ("quantize", "pair", "validate", "gate"):
-        if not (run.out / stage / "manifest.json").is_file():
+    for stage in PublishStage.requires:
+        if not run.layout.manifest(stage).is_file():
             raise BadInputError(f"{run.out}: stage '{stage}' has not run; run `mxspec run RECIPE --out {run.out}` first")
     verdict = run.gate
     if not verdict.passed and not force:
         raise GateFailedError(f"refusing to publish: the gate verdict is {verdict.verdict} (see "
-                              f"{run.out / 'gate' / 'summary.md'}); fix the checkpoint, or pass --force to publish anyway")
+                              f"{run.layout.summary}); fix the checkpoint, or pass --force to publish anyway")
     card = Path(card_dir) / CARD_FILE
     card.write_text(render_model_card(recipe, run, publish.repo_id))
 
@@ -128,10 +130,10 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
             sources[rel] = run.checkpoint / rel
     sources[CARD_FILE] = card  # the card replaces any README copied from the base model
     for figure in run.figures():
-        sources[f"figures/{figure.name}"] = figure
-    for stage, name in REPORTS:
-        if (run.out / stage / name).is_file():
-            sources[f"mxspec/{name}"] = run.out / stage / name
+        sources[f"{REPO_FIGURES}/{figure.name}"] = figure
+    for report in run.layout.reports():
+        if report.is_file():
+            sources[f"{REPO_REPORTS}/{report.name}"] = report
     drafter_weights = {sha for name, sha in run.pair.drafter.files.items() if name.endswith(WEIGHT_SUFFIXES)}
     files = []
     for path_in_repo, local in sorted(sources.items()):

@@ -12,19 +12,24 @@ own MXFP4 encoder (`mxfp4`), MoE layers must have packed weights for every route
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.architectures import linear_layers_from_tensors
 from pipeline.artifacts import QuantizeReport, write_artifact
 from pipeline.atomic import is_disk_full
+from pipeline.checkpoint import (
+    Checkpoint,
+    copy_side_files,
+    expert_slice,
+    fused_source,
+    read_checkpoint,
+    write_index,
+)
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.exclusions import (
     MTP_PATTERN,
@@ -32,84 +37,14 @@ from pipeline.exclusions import (
     default_exclusions,
     excluded_layers,
 )
+from pipeline.layout import CHECKPOINT, QUANTIZE_REPORT
 from pipeline.recipe import Calibration, Quantization
 from pipeline.runner import StageContext
 
-REPORT = "mxspec-quantize.json"
-CHECKPOINT = "checkpoint"
 # Quark model templates by config model_type; text-only variants use their family's template.
 TEMPLATES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 # Tensors transformers does not instantiate (so an in-memory export lacks them) but vLLM serves.
 CARRIED_OVER = re.compile(r"^mtp\.")
-# Files copied next to the weights: tokenizer, chat template, generation config, and the like.
-SIDE_FILES = re.compile(r".*\.(json|jinja|txt|model|tiktoken|py|md)$")
-WEIGHT_INDEX = "model.safetensors.index.json"
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<index>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)$")
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A safetensors checkpoint as seen from its headers: no weight is read."""
-
-    folder: Path
-    config: dict
-    tensors: dict[str, tuple[tuple[int, ...], str, str]]  # name -> (shape, dtype, file)
-
-    @property
-    def model_type(self) -> str:
-        return self.config["model_type"]
-
-    @property
-    def text_config(self) -> dict:
-        return self.config.get("text_config", self.config)
-
-    @property
-    def size_bytes(self) -> int:
-        return sum((self.folder / f).stat().st_size for f in {t[2] for t in self.tensors.values()})
-
-    @property
-    def is_moe(self) -> bool:
-        return "moe" in self.model_type or any(".mlp.experts." in name for name in self.tensors)
-
-    def linear_layers(self) -> list[str]:
-        layers = linear_layers_from_tensors({name: shape for name, (shape, _, _) in self.tensors.items()})
-        if self.config.get("tie_word_embeddings") or self.text_config.get("tie_word_embeddings"):
-            layers.append("lm_head")  # the tied head is a module even without its own tensor
-        return sorted(set(layers))
-
-
-def read_checkpoint(folder: Path) -> Checkpoint:
-    """Read config.json and every shard's header; one clear error for a missing or broken shard."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"{folder}/config.json unreadable ({exc.__class__.__name__}); is this a HF checkpoint?") from exc
-    index = folder / WEIGHT_INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (folder / f).is_file()]
-        if missing:
-            raise BadInputError(f"{folder}: shard {missing[0]} listed in {WEIGHT_INDEX} is missing; re-download the checkpoint")
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise BadInputError(f"{folder}: no *.safetensors weights; mxspec quantizes safetensors checkpoints")
-    tensors = {}
-    for file in files:
-        try:
-            with safe_open(folder / file, framework="pt") as handle:
-                for name in handle.keys():
-                    part = handle.get_slice(name)
-                    tensors[name] = (tuple(part.get_shape()), part.get_dtype(), file)
-        except Exception as exc:  # safetensors raises its own error types for a bad header
-            raise BadInputError(
-                f"{folder}/{file} is not a valid safetensors file ({exc.__class__.__name__}); re-download it"
-            ) from exc
-    return Checkpoint(folder, config, tensors)
 
 
 def plan_exclusions(checkpoint: Checkpoint, spec: Quantization) -> list[str]:
@@ -206,10 +141,7 @@ def _carry_over(source: Checkpoint, out: Path) -> int:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    for path in source.folder.iterdir():
-        if path.is_file() and SIDE_FILES.match(path.name) and path.name not in {"config.json", WEIGHT_INDEX}:
-            if not (out / path.name).exists():
-                shutil.copy2(path, out / path.name)
+    copy_side_files(source.folder, out, overwrite=False)
     exported = read_checkpoint(out)
     missing = sorted(n for n in source.tensors if CARRIED_OVER.match(n) and n not in exported.tensors)
     if not missing:
@@ -222,7 +154,7 @@ def _carry_over(source: Checkpoint, out: Path) -> int:
     save_file(tensors, out / extra, metadata={"format": "pt"})
     weight_map = {name: file for name, (_, _, file) in exported.tensors.items()}
     weight_map.update({name: extra for name in tensors})
-    (out / WEIGHT_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    write_index(out, weight_map)
     return len(missing)
 
 
@@ -240,15 +172,10 @@ def _source_weight(source: Checkpoint, module: str, cache: dict) -> np.ndarray |
     for candidate in (module, module.replace("model.", "model.language_model.", 1)):
         if f"{candidate}.weight" in source.tensors:
             return load(f"{candidate}.weight")
-        fused = _FUSED_EXPERTS.match(candidate)
-        if fused:
-            e, kind = int(fused["index"]), fused["kind"]
-            if kind == "down_proj" and f"{fused['prefix']}.down_proj" in source.tensors:
-                return load(f"{fused['prefix']}.down_proj")[e]
-            if f"{fused['prefix']}.gate_up_proj" in source.tensors:
-                gate_up = load(f"{fused['prefix']}.gate_up_proj")[e]
-                half = gate_up.shape[0] // 2
-                return gate_up[:half] if kind == "gate_proj" else gate_up[half:]
+        fused = fused_source(candidate)
+        if fused is not None and fused[0] in source.tensors:
+            name, expert, kind = fused
+            return expert_slice(load(name), expert, kind)
     return None
 
 
@@ -375,7 +302,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
 
 class QuantizeStage:
     name = "quantize"
-    version = 2
+    version = 3
     sections = ("quantization", "calibration")
     requires = ("resolve/target.json",)  # the target only: a drafter change never re-quantizes
     tools = ("amd-quark", "torch", "transformers", "safetensors")
@@ -394,7 +321,7 @@ class QuantizeStage:
         )
         report = QuantizeReport(target=target.ref, target_digest=target.digest, versions=tool_versions(),
                                 **asdict(summary))
-        write_artifact(report, workdir / REPORT)
+        write_artifact(report, workdir / QUANTIZE_REPORT)
         logits = report.verification.logits
         ctx.console.print(
             f"  {summary.quantized_layers} layers MXFP4 ({summary.mode}), {summary.excluded_layers} kept bf16; "

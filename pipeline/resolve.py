@@ -7,31 +7,21 @@ The hashes recorded here are what later stages (and the pair check) compare agai
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pipeline.artifacts import ResolvedModel, read_artifact, write_artifact
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.hashing import HashCache
+from pipeline.hub_env import hub_offline
+from pipeline.layout import resolved_file
 from pipeline.recipe import ModelRef
 from pipeline.runner import StageContext
 
 ROLES = ("target", "drafter")
 
 
-def resolved_file(role: str) -> str:
-    """One file per role, so a stage can depend on the target alone (quantize) or on both (pair)."""
-    return f"{role}.json"
-
-
 class ModelNotAvailableError(ExternalError):
     """The model is neither local nor in the Hub cache, and the Hub cannot be reached."""
-
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def _download(ref: ModelRef, role: str) -> tuple[Path, str]:
@@ -44,7 +34,7 @@ def _download(ref: ModelRef, role: str) -> tuple[Path, str]:
         RevisionNotFoundError,
     )
 
-    offline = _offline()
+    offline = hub_offline()
     try:
         folder = Path(snapshot_download(repo_id=ref.id, revision=ref.revision, local_files_only=offline))
     except GatedRepoError:

@@ -38,11 +38,9 @@ from pipeline.atomic import (
 )
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.hashing import HashCache, digest_of
+from pipeline.layout import MANIFEST, RunLayout
 from pipeline.recipe import Recipe
 from pipeline.versions import tool_versions
-
-MANIFEST = "manifest.json"
-STATE_DIR = ".mxspec"
 
 
 @dataclass
@@ -54,8 +52,12 @@ class StageContext:
     hashes: HashCache
     console: Console = field(default_factory=lambda: Console(stderr=True))
 
+    @property
+    def run(self) -> RunLayout:
+        return RunLayout(self.out)
+
     def stage_dir(self, name: str) -> Path:
-        return self.out / name
+        return self.run.stage(name)
 
 
 class Stage(Protocol):
@@ -103,7 +105,7 @@ def run_stages(
     console = console or Console(stderr=True)
     with hold_run_folder(out):
         sweep_partials(out)
-        hashes = HashCache(out / STATE_DIR / "hash-cache.json")
+        hashes = HashCache(RunLayout(out).hash_cache)
         ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console)
         results: list[StageResult] = []
         try:
@@ -180,7 +182,7 @@ def read_manifest(stage_dir: Path) -> StageManifest | None:
 
 
 def is_run_folder(path: Path) -> bool:
-    return (Path(path) / STATE_DIR).is_dir()
+    return RunLayout(Path(path)).state.is_dir()
 
 
 def prepare_run_folder(out: Path) -> Path:
@@ -244,9 +246,9 @@ def _outputs_intact(stage_dir: Path, manifest: StageManifest, ctx: StageContext)
 @contextmanager
 def hold_run_folder(out: Path) -> Iterator[None]:
     """One run per output folder at a time; the lock dies with the process, so a kill never wedges it."""
-    state = out / STATE_DIR
-    state.mkdir(parents=True, exist_ok=True)
-    with open(state / "lock", "w") as handle:
+    lock = RunLayout(out).lock
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

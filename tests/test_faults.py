@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.artifacts import PublishResult, StageManifest, volatile_fields
-from pipeline.runner import MANIFEST, read_manifest
+from pipeline.layout import MANIFEST
+from pipeline.runner import read_manifest
 from tests.conftest import local_hub
 
 pytestmark = pytest.mark.slow

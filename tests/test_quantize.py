@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 import pipeline.quantize as quantize_module
+from pipeline.checkpoint import read_checkpoint
 from pipeline.errors import BadInputError, ExternalError
-from pipeline.quantize import choose_mode, plan_exclusions, quantize_checkpoint, read_checkpoint
+from pipeline.quantize import choose_mode, plan_exclusions, quantize_checkpoint
 from pipeline.recipe import Calibration, Quantization
 
 

@@ -62,6 +62,17 @@ def test_section_hash_changes_only_with_its_sections(tmp_path):
     assert base.sha256 != changed_gate.sha256
 
 
+def test_the_prompt_source_is_part_of_validates_fingerprint_only(tmp_path):
+    from pipeline.quantize import QuantizeStage
+    from pipeline.validate import ValidateStage
+
+    base = load_recipe(write(tmp_path, MINIMAL))
+    hub = load_recipe(write(tmp_path, MINIMAL + "[validation]\nprompt_source = 'hub'\n"))
+    assert base.validation.prompt_source == "packaged"  # the default: the same prompts on every machine, offline
+    assert base.section_hash(*ValidateStage.sections) != hub.section_hash(*ValidateStage.sections)
+    assert base.section_hash(*QuantizeStage.sections) == hub.section_hash(*QuantizeStage.sections)
+
+
 @pytest.mark.parametrize(
     "extra, key, words",
     [

@@ -15,8 +15,9 @@ import pytest
 
 from pipeline.artifacts import StageManifest, volatile_fields
 from pipeline.errors import BadInputError
+from pipeline.layout import MANIFEST
 from pipeline.recipe import load_recipe
-from pipeline.runner import MANIFEST, read_manifest, run_stages
+from pipeline.runner import read_manifest, run_stages
 
 RECIPE = """
 name = "runner-test"

