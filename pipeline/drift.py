@@ -87,3 +87,21 @@ def prompt_bootstrap_ci(stats: list[AcceptanceStats], seed: int = 0) -> tuple[fl
     picks = np.random.default_rng(seed).integers(0, len(stats), size=(BOOTSTRAP_SAMPLES, len(stats)))
     low, high = np.percentile(_pooled_al(drafts[picks], accepted[picks]), [2.5, 97.5])
     return float(low), float(high)
+
+
+def pooled_ratio_ci(numerators: list[float], denominators: list[float], seed: int = 0) -> tuple[float, float]:
+    """95% interval over prompts of sum(numerators) / sum(denominators) (e.g. agreements per token)."""
+    num, den = np.asarray(numerators, dtype=float), np.asarray(denominators, dtype=float)
+    picks = np.random.default_rng(seed).integers(0, len(num), size=(BOOTSTRAP_SAMPLES, len(num)))
+    low, high = np.percentile(num[picks].sum(-1) / np.maximum(den[picks].sum(-1), 1e-12), [2.5, 97.5])
+    return float(low), float(high)
+
+
+def paired_difference_ci(base: list[float], other: list[float], seed: int = 0) -> tuple[float, float]:
+    """95% interval over prompts of mean(other) - mean(base), the prompts drawn together for both."""
+    if len(base) != len(other) or not base:
+        raise ValueError("a paired difference needs the same non-empty list of prompts on both sides")
+    diff = np.asarray(other, dtype=float) - np.asarray(base, dtype=float)
+    picks = np.random.default_rng(seed).integers(0, len(diff), size=(BOOTSTRAP_SAMPLES, len(diff)))
+    low, high = np.percentile(diff[picks].mean(-1), [2.5, 97.5])
+    return float(low), float(high)

@@ -12,6 +12,7 @@ Exit codes: 0 pass (or inconclusive under `on_inconclusive = "pass"`), 1 fail, 2
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -47,7 +48,7 @@ def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateVerdic
     """Apply the thresholds (default: those the report records) to every drift row (and throughput pair)."""
     report = read_report(report_path)
     thresholds = thresholds or report.gate
-    checks = [_acceptance_check(row, thresholds) for row in report.drift]
+    checks = [_acceptance_check(row, thresholds, report) for row in report.drift]
     if thresholds.min_throughput_lift is not None:
         checks += _throughput_checks(report.serving or [], thresholds.min_throughput_lift)
     verdict = max((c.verdict for c in checks), key=SEVERITY.__getitem__)
@@ -56,21 +57,86 @@ def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateVerdic
                        report=str(report_path), report_sha256=sha256_file(Path(report_path)), checks=checks)
 
 
-def _acceptance_check(row: DriftRow, gate: Gate) -> GateCheck:
-    """Mean-AL drop and the worst per-position drop of one (workload, budget), each against its threshold."""
+@dataclass(frozen=True)
+class _Measure:
+    name: str  # own text | same text | fidelity | accuracy
+    verdict: str
+    detail: str
+
+
+def _over(value: float, threshold: float, verdict: str, word: str = "over") -> str:
+    return f": {abs(value - threshold):.3f} {word}" if verdict == "fail" else ""
+
+
+def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> GateCheck:
+    """Every measure of one (workload, budget), each against its threshold:
+      own text   the mean-AL drop and the worst per-position drop on each precision's own text (what users get);
+      same text  the mean-AL drop with bf16's text held fixed (drafter/target alignment alone);
+      fidelity   the MXFP4 target's top-1 agreement with bf16 and its KL, on bf16's text;
+      accuracy   the task accuracy drop, where answers finished.
+    A cell whose own-text acceptance did not fail while fidelity fails is 'target degraded': its text may
+    have become easier to draft because the target broke."""
+    measures = [_own_text(row, gate)]
+    same = report.same_text_row(row.workload, row.budget)
+    if same is not None:
+        drop_ci = (-same.ci95[1], -same.ci95[0])
+        verdict = decide(drop_ci, gate.max_same_text_drop)
+        measures.append(_Measure("same text", verdict, (
+            f"same-text mean AL drop {-same.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+            f"{gate.max_same_text_drop}{_over(-same.delta, gate.max_same_text_drop, verdict)} -> {verdict}")))
+    fidelity = report.fidelity_row(row.workload)
+    if fidelity is not None and gate.min_top1_agreement is not None:
+        low, high = fidelity.top1_agreement_ci95
+        verdict = decide((1 - high, 1 - low), 1 - gate.min_top1_agreement)
+        measures.append(_Measure("fidelity", verdict, (
+            f"top-1 agreement {fidelity.top1_agreement:.3f} (95% CI {low:.3f}..{high:.3f}) vs min "
+            f"{gate.min_top1_agreement}{_over(fidelity.top1_agreement, gate.min_top1_agreement, verdict, 'short')} -> {verdict}")))
+    if fidelity is not None and gate.max_kl is not None:
+        verdict = decide(tuple(fidelity.kl_ci95), gate.max_kl)
+        measures.append(_Measure("fidelity", verdict, (
+            f"KL {fidelity.kl:.3f} (95% CI {fidelity.kl_ci95[0]:.3f}..{fidelity.kl_ci95[1]:.3f}) vs max "
+            f"{gate.max_kl}{_over(fidelity.kl, gate.max_kl, verdict)} -> {verdict}")))
+    accuracy = report.accuracy_row(row.workload)
+    if accuracy is not None and gate.max_accuracy_drop is not None:
+        drop_ci = (-accuracy.delta_ci95[1], -accuracy.delta_ci95[0])
+        verdict = decide(drop_ci, gate.max_accuracy_drop)
+        measures.append(_Measure("accuracy", verdict, (
+            f"accuracy drop {-accuracy.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+            f"{gate.max_accuracy_drop}{_over(-accuracy.delta, gate.max_accuracy_drop, verdict)} -> {verdict}")))
+    verdict = max((m.verdict for m in measures), key=SEVERITY.__getitem__)
+    failed = {m.name for m in measures if m.verdict == "fail"}
+    cause = ""
+    own_text_held = measures[0].verdict != "fail"
+    if own_text_held and failed & {"fidelity", "accuracy"}:
+        cause = "target degraded: "
+    elif own_text_held and "same text" in failed:
+        cause = "same-text acceptance dropped: "
+    unmeasured = "" if same is not None else "; same-text acceptance and fidelity not measured (reference backend only)"
+    measured = {"delta": row.delta, "ci95": list(row.ci95), "max_position_gap": row.max_position_gap,
+                "num_prompts": row.num_prompts}
+    if same is not None:
+        measured["same_text_delta"] = same.delta
+    if fidelity is not None:
+        measured |= {"top1_agreement": fidelity.top1_agreement, "kl": fidelity.kl}
+    if accuracy is not None:
+        measured["accuracy_delta"] = accuracy.delta
+    return GateCheck(name=f"{row.workload} B={row.budget}", workload=row.workload, kind="acceptance", verdict=verdict,
+                     reason=cause + "; ".join(m.detail for m in measures) + unmeasured, measured=measured)
+
+
+def _own_text(row: DriftRow, gate: Gate) -> _Measure:
+    """Mean-AL drop and the worst per-position drop, each precision on its own greedy text."""
     drop_ci = (-row.ci95[1], -row.ci95[0])
     al_verdict = decide(drop_ci, gate.max_acceptance_length_drop)
     position_verdicts = [decide(tuple(ci), gate.max_position_gap) for ci in row.position_drop_ci95]
     worst = max(range(len(position_verdicts)), key=lambda i: (SEVERITY[position_verdicts[i]], row.position_drop_ci95[i][1]))
     verdict = max(al_verdict, position_verdicts[worst], key=SEVERITY.__getitem__)
     low, high = row.position_drop_ci95[worst]
-    reason = (f"mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
-              f"{gate.max_acceptance_length_drop} -> {al_verdict}; worst position {worst + 1} drop 95% CI "
-              f"{low:+.3f}..{high:+.3f} vs max {gate.max_position_gap} -> {position_verdicts[worst]}")
-    measured = {"delta": row.delta, "ci95": list(row.ci95), "max_position_gap": row.max_position_gap,
-                "worst_position": worst + 1, "num_prompts": row.num_prompts}
-    return GateCheck(name=f"{row.workload} B={row.budget}", workload=row.workload, kind="acceptance", verdict=verdict,
-                     reason=reason, measured=measured)
+    return _Measure("own text", verdict, (
+        f"mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+        f"{gate.max_acceptance_length_drop}{_over(-row.delta, gate.max_acceptance_length_drop, al_verdict)} -> {al_verdict}; "
+        f"worst position {worst + 1} drop 95% CI {low:+.3f}..{high:+.3f} vs max {gate.max_position_gap} -> "
+        f"{position_verdicts[worst]}"))
 
 
 def _throughput_checks(serving: list[ServedRow], min_lift: float) -> list[GateCheck]:
@@ -102,7 +168,11 @@ def summary_markdown(result: GateVerdict) -> str:
     policy = f"inconclusive counts as {t.on_inconclusive}"
     lines = [f"## mxspec gate: {ICON[result.verdict]}" + ("" if result.verdict != "inconclusive" else f" ({policy})"),
              "",
-             f"Thresholds: mean AL drop <= {t.max_acceptance_length_drop}, per-position drop <= {t.max_position_gap}"
+             f"Thresholds: mean AL drop <= {t.max_acceptance_length_drop}, per-position drop <= {t.max_position_gap}, "
+             f"same-text mean AL drop <= {t.max_same_text_drop}"
+             + (f", top-1 agreement >= {t.min_top1_agreement}" if t.min_top1_agreement is not None else "")
+             + (f", KL <= {t.max_kl}" if t.max_kl is not None else "")
+             + (f", accuracy drop <= {t.max_accuracy_drop}" if t.max_accuracy_drop is not None else "")
              + (f", MXFP4 throughput lift >= {t.min_throughput_lift:+.0%}" if t.min_throughput_lift is not None else "")
              + f"; {policy}. A cell fails only when the 95% interval lies beyond the threshold.",
              "", "| cell | verdict | why |", "|---|---|---|"]

@@ -141,6 +141,20 @@ class Gate(_Section):
         0.25, description="largest tolerated drop of mean AL (bf16 minus MXFP4), per workload and budget"
     )
     max_position_gap: Annotated[float, Field(ge=0, le=1)] = 0.05
+    max_same_text_drop: Annotated[float, Field(ge=0)] = Field(
+        0.25, description="largest tolerated drop of mean AL when the MXFP4 target verifies bf16's own text "
+        "(drafter/target alignment with the text held fixed; reference backend)"
+    )
+    min_top1_agreement: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="smallest tolerated share of positions where MXFP4's greedy token is bf16's, on bf16's "
+        "text (meaningless for near-flat distributions, e.g. random test models: use max_kl there)"
+    )
+    max_kl: Annotated[float, Field(ge=0)] | None = Field(
+        0.25, description="largest tolerated mean KL(bf16 || MXFP4) per token on bf16's text, nats"
+    )
+    max_accuracy_drop: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="largest tolerated drop of GSM8K / MATH-500 accuracy (needs max_tokens long enough to finish)"
+    )
     min_throughput_lift: float | None = Field(None, description="e.g. 0.05 = MXFP4 must be 5% faster")
     on_inconclusive: Literal["fail", "pass"] = "fail"
 

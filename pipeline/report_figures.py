@@ -8,7 +8,7 @@ from pathlib import Path
 from pipeline.artifacts import ServedRow, ValidateReport
 from pipeline.report_markdown import config_label, throughput_lifts
 
-ACCEPTANCE_FIGURES = ("acceptance_vs_budget.png", "per_position_acceptance.png")
+ACCEPTANCE_FIGURES = ("acceptance_vs_budget.png", "per_position_acceptance.png", "same_text_acceptance.png")
 SERVING_FIGURES = ("speedup.png", "throughput_lift.png")
 FIGURES = ACCEPTANCE_FIGURES + SERVING_FIGURES
 STYLES = {"bf16": "-", "mxfp4": "--"}  # line style per precision
@@ -56,6 +56,33 @@ def _acceptance_figures(report: ValidateReport, folder: Path, plt) -> None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(folder / ACCEPTANCE_FIGURES[1], dpi=120)
+    plt.close(fig)
+    if report.same_text_cells:
+        _same_text_figure(report, folder, plt)
+
+
+def _same_text_figure(report: ValidateReport, folder: Path, plt) -> None:
+    """Per budget, bars per workload: bf16 and MXFP4 on their own texts, MXFP4 on bf16's text; the
+    MXFP4 target's top-1 agreement with bf16 printed under each workload."""
+    own = {(c.workload, c.precision, c.budget): c.mean_acceptance_length for c in report.cells}
+    same = {(c.workload, c.budget): c.mean_acceptance_length for c in report.same_text_cells}
+    budgets = sorted({b for _, b in same})
+    workloads = list(dict.fromkeys(w for w, _ in same))
+    agreement = {f.workload: f.top1_agreement for f in report.fidelity}
+    series = (("bf16, own text", lambda w, b: own.get((w, "bf16", b))), ("MXFP4, own text", lambda w, b: own.get((w, "mxfp4", b))),
+              ("MXFP4, bf16's text", lambda w, b: same.get((w, b))))
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.5 * len(budgets), 4), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        for k, (label, value) in enumerate(series):
+            ax.bar([i + k * 0.27 for i in range(len(workloads))], [value(w, budget) or 0 for w in workloads], 0.27,
+                   label=label, color=plt.get_cmap("tab10")(k), hatch="//" if k == 2 else None)
+        ax.set_xticks([i + 0.27 for i in range(len(workloads))],
+                      [f"{w}\ntop-1 {agreement[w]:.2f}" if w in agreement else w for w in workloads], fontsize=7)
+        ax.set(ylabel="mean acceptance length", title=f"Block {budget}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Own text vs the same (bf16) text: text drift or drafter/target alignment", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(folder / ACCEPTANCE_FIGURES[2], dpi=120)
     plt.close(fig)
 
 

@@ -41,9 +41,16 @@ def report_markdown(report: ValidateReport) -> str:
              f"Prompts ({s.prompt_source}):", "", *(f"- {w}: {where}" for w, where in s.prompt_sets.items()), "",
              *acceptance_tables(report)]
     if report.drift:
-        lines += ["", f"Overall verdict: **{report.verdict}** (tolerated drop {report.gate.max_acceptance_length_drop}).",
+        lines += ["", f"Own-text verdict: **{report.verdict}** (tolerated drop {report.gate.max_acceptance_length_drop}); "
+                  "the gate also weighs the same-text, fidelity and accuracy measures.",
                   "", "![acceptance vs budget](acceptance_vs_budget.png)", "",
                   "![per-position acceptance](per_position_acceptance.png)"]
+        if report.same_text_cells:
+            lines += ["", "![own text vs same text](same_text_acceptance.png)"]
+    if report.reference_seconds:
+        lines += ["", "Reference backend wall time: " + ", ".join(
+            f"{phase} {seconds:.0f} s" for phase, seconds in report.reference_seconds.items())
+            + " (the last is what the same-text and fidelity measures cost)."]
     if report.serving:
         lines += ["", *serving_tables(report.serving)]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items())), ""]
@@ -73,6 +80,49 @@ def acceptance_tables(report: ValidateReport) -> list[str]:
                 f"| {d.workload} | {d.budget} | {base.mean_acceptance_length:.3f} | "
                 f"{quant.mean_acceptance_length:.3f} | {d.delta:+.3f} | [{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] | "
                 f"{d.max_position_gap:.3f} | **{d.verdict}** |")
+    return lines + same_text_tables(report)
+
+
+def same_text_tables(report: ValidateReport) -> list[str]:
+    """Own-text against same-text acceptance, the MXFP4 target's fidelity, and task accuracy."""
+    lines = []
+    cells = {(c.workload, c.precision, c.budget): c for c in report.cells}
+    same = {(c.workload, c.budget): c for c in report.same_text_cells}
+    if report.same_text_drift:
+        lines += ["", "## Text drift or alignment: MXFP4 on bf16's own text", "",
+                  ("Own text: each precision's drafter acceptance on its own greedy continuation (what a user gets). "
+                   "Same text: the MXFP4 target verifies the drafter along bf16's continuation (teacher forced), so "
+                   "a damaged target whose text became easier to draft cannot look better here."), "",
+                  "| Workload | Block | bf16 own | MXFP4 own | MXFP4 on bf16 text | own Δ | same-text Δ | same-text 95% CI |",
+                  "|---|---|---|---|---|---|---|---|"]
+        own = {(d.workload, d.budget): d for d in report.drift}
+        for d in report.same_text_drift:
+            base, quant = cells[(d.workload, "bf16", d.budget)], cells.get((d.workload, "mxfp4", d.budget))
+            own_delta = own.get((d.workload, d.budget))
+            lines.append(
+                f"| {d.workload} | {d.budget} | {base.mean_acceptance_length:.3f} | "
+                f"{'-' if quant is None else f'{quant.mean_acceptance_length:.3f}'} | "
+                f"{same[(d.workload, d.budget)].mean_acceptance_length:.3f} | "
+                f"{'-' if own_delta is None else f'{own_delta.delta:+.3f}'} | {d.delta:+.3f} | "
+                f"[{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] |")
+    if report.fidelity:
+        top_k = report.fidelity[0].kl_top_k
+        lines += ["", "## MXFP4 target fidelity on bf16's text", "",
+                  "| Workload | prompts | positions | top-1 agreement | 95% CI | KL(bf16 ‖ MXFP4), nats | 95% CI |",
+                  "|---|---|---|---|---|---|---|"]
+        for f in report.fidelity:
+            lines.append(f"| {f.workload} | {f.num_prompts} | {f.num_positions} | {f.top1_agreement:.3f} | "
+                         f"[{f.top1_agreement_ci95[0]:.3f}, {f.top1_agreement_ci95[1]:.3f}] | {f.kl:.3f} | "
+                         f"[{f.kl_ci95[0]:.3f}, {f.kl_ci95[1]:.3f}] |")
+        lines += ["", f"KL keeps bf16's top {top_k} tokens and merges the rest into one outcome: a lower bound of the full KL."]
+    if report.accuracy:
+        lines += ["", "## Task accuracy (answers checked without running code)", "",
+                  "| Workload | bf16 | MXFP4 | Δ | 95% CI (paired) | finished bf16 / MXFP4 | note |", "|---|---|---|---|---|---|---|"]
+        for a in report.accuracy:
+            delta = "-" if a.delta is None else f"{a.delta:+.3f}"
+            ci = "-" if a.delta_ci95 is None else f"[{a.delta_ci95[0]:+.3f}, {a.delta_ci95[1]:+.3f}]"
+            lines.append(f"| {a.workload} | {a.accuracy['bf16']:.3f} | {a.accuracy['mxfp4']:.3f} | {delta} | {ci} | "
+                         f"{a.finished['bf16']} / {a.finished['mxfp4']} of {a.num_prompts} | {a.note} |")
     return lines
 
 

@@ -84,6 +84,7 @@ def replay_acceptance(
     block_size: int,
     chunk: int = 64,
     end: int | None = None,
+    predictions: torch.Tensor | None = None,
 ) -> Replay:
     """Acceptance per step of a greedy speculative run whose output is `tokens[prompt_len:end]`.
 
@@ -95,6 +96,10 @@ def replay_acceptance(
     rule `generate_online` applies. vLLM's counters do not trim: its scheduler counts a step's
     accepted drafts before cutting them at the stop token or `max_tokens`. Passing `end` < len(tokens),
     with the target's greedy tokens past the stop (at least B-1 of them), replays that count instead.
+
+    `predictions` (same-text replay): the verifying target's greedy next token at every position of
+    `tokens`, when `tokens` is another target's text (see `same_text_accepted`). Without it the
+    verifier is the target that wrote `tokens`, whose prediction at position i is tokens[i + 1].
     """
     trimmed = end is None
     end = tokens.shape[0] if end is None else end
@@ -115,11 +120,28 @@ def replay_acceptance(
     while anchor < end - 1:
         proposed = drafts[anchor - prompt_len]
         truth = tokens[anchor + 1 : anchor + block_size]
-        matches = (proposed[: len(truth)] == truth).int().cumprod(0)
-        accepted = int(matches.sum())
+        if predictions is None:
+            accepted = int((proposed[: len(truth)] == truth).int().cumprod(0).sum())
+        else:
+            verified = predictions[anchor : anchor + len(truth)]
+            accepted = same_text_accepted(proposed[: len(truth)], verified, truth)
         lengths.append(min(accepted + 1, end - 1 - anchor) if trimmed else accepted + 1)
         anchor += accepted + 1
     return Replay(lengths, block_size)
+
+
+def same_text_accepted(drafts: torch.Tensor, verified: torch.Tensor, text: torch.Tensor) -> int:
+    """Drafts a target accepts when it verifies them along a text it did not write (teacher forced).
+
+    Draft j is checked against the verifier's greedy token after the text's first j tokens past the
+    anchor, `verified[j]`. That prediction is only known while the drafts so far equal the text: a
+    draft the verifier accepts but the text does not continue with ends the step, since the
+    verifier's next prediction on that other path was never computed. When the verifier wrote the
+    text (verified[j] == text[j]) this is the ordinary rule: the longest prefix equal to the text.
+    """
+    accepts = (drafts == verified).int()
+    on_text = torch.cat([torch.ones(1, dtype=torch.int), (drafts[:-1] == text[:-1]).int()])
+    return int((accepts * on_text.cumprod(0)).cumprod(0).sum())
 
 
 @torch.no_grad()
@@ -128,11 +150,36 @@ def replay_sequence(target, drafter: DFlashDrafter, tokens, prompt_len: int, blo
     """One target pass over `tokens` (prompt + greedy continuation) for its features, then the
     drafter's acceptance along the continuation replayed at each block size (`end`: see
     `replay_acceptance`)."""
+    return replay_pass(target, drafter, tokens, prompt_len, block_sizes, end=end).replays
+
+
+@dataclass(frozen=True)
+class TargetPass:
+    """What one target pass over a text gives: the drafter's acceptance at each block size, and the
+    target's next-token log-probabilities at the continuation's positions (prompt_len - 1 .. end - 2)."""
+
+    replays: dict[int, Replay]
+    logprobs: torch.Tensor  # [positions, vocab], float32
+
+
+@torch.no_grad()
+def replay_pass(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_sizes, end: int | None = None,
+                same_text: bool = False) -> TargetPass:
+    """`replay_sequence` that also returns the target's log-probabilities along the continuation.
+
+    `same_text`: `tokens` were written by another target (the bf16 one); the drafter is replayed with
+    this target's features, and its drafts are verified by this target's own greedy predictions
+    (`same_text_accepted`)."""
     sequence = torch.as_tensor(tokens)
-    hidden = target(sequence[None], output_hidden_states=True).hidden_states
-    features = target_features(hidden, drafter.cfg.target_layer_ids)[0].float()
+    out = target(sequence[None], output_hidden_states=True)
+    features = target_features(out.hidden_states, drafter.cfg.target_layer_ids)[0].float()
+    logits = out.logits[0].float()
+    predictions = logits.argmax(-1) if same_text else None
     hooks = TargetHooks.of(target)
-    return {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b, end=end) for b in block_sizes}
+    replays = {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b, end=end, predictions=predictions)
+               for b in block_sizes}
+    stop = sequence.shape[0] if end is None else end
+    return TargetPass(replays, torch.log_softmax(logits[prompt_len - 1 : stop - 1], dim=-1))
 
 
 @torch.no_grad()

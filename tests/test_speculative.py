@@ -22,6 +22,21 @@ def test_packed_blocks_see_only_their_past_and_themselves():
     assert mask[4, 5:].tolist() == [False, False, False, True, True, True]
 
 
+def test_same_text_acceptance_follows_the_verifier_while_the_drafts_stay_on_the_text():
+    from pipeline.speculative import same_text_accepted
+
+    text = torch.tensor([5, 6, 7, 8])
+    drafts = torch.tensor([5, 6, 9, 8])
+    # Verifier that wrote the text: the ordinary rule, the longest prefix equal to the text.
+    assert same_text_accepted(drafts, text, text) == 2
+    # Verifier that predicts 4 where the text says 6, as the draft does: that draft is accepted, and the
+    # step ends after it, because the verifier's prediction after 4 was never computed.
+    assert same_text_accepted(torch.tensor([5, 4, 7, 8]), torch.tensor([5, 4, 7, 8]), text) == 2
+    # Verifier that rejects the first draft although the text continues with it.
+    assert same_text_accepted(drafts, torch.tensor([1, 6, 7, 8]), text) == 0
+    assert same_text_accepted(text, text, text) == 4
+
+
 def _online_and_replay(target, drafter, tokenizer, text, block_size, max_new_tokens):
     prompt = chat_ids(tokenizer, text)
     run = generate_online(target, drafter, prompt, block_size, max_new_tokens, {tokenizer.eos_token_id})
@@ -64,3 +79,23 @@ def test_replay_equals_the_online_loop_on_the_reference_pair(reference_target):
         accepted += sum(n - 1 for n in run.acceptance_lengths)
     assert accepted > 0, "a trained drafter accepts some drafts"
     assert overshoot > 0, "no final step accepted a draft past the budget, so the untrimmed count went untested"
+
+
+@pytest.mark.slow
+def test_same_text_replay_on_the_targets_own_text_is_the_ordinary_replay(reference_target):
+    """The same-text rule with the verifier that wrote the text gives exactly the ordinary acceptance."""
+    from pipeline.speculative import replay_pass
+    from pipeline.validate import greedy_continuations
+
+    target = load_target(reference_target, "bf16")
+    drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(reference_target)
+    accepted = 0
+    for tokens, prompt_len in greedy_continuations(target, tokenizer, load_prompts("gsm8k", 2, seed=0), 48):
+        ordinary = replay_pass(target, drafter, tokens, prompt_len, [4, 8])
+        same_text = replay_pass(target, drafter, tokens, prompt_len, [4, 8], same_text=True)
+        for block in (4, 8):
+            assert same_text.replays[block].acceptance_lengths == ordinary.replays[block].acceptance_lengths
+            accepted += sum(n - 1 for n in ordinary.replays[block].acceptance_lengths)
+        assert torch.equal(same_text.logprobs, ordinary.logprobs)
+    assert accepted > 0, "with no accepted draft the comparison would be empty"

@@ -1,0 +1,58 @@
+"""How far the MXFP4 target's next-token distribution moved from bf16's, on the same text.
+
+Measured at every continuation position of the bf16 target's greedy text, teacher forced (both
+targets read the same tokens): top-1 agreement (the MXFP4 target's greedy token equals bf16's) and
+KL(bf16 || MXFP4) in nats. The bf16 distribution is kept as its top-K tokens plus one bucket for all
+the others, so a long run never holds vocabulary-sized rows; the KL over that partition is a lower
+bound of the full KL (merging outcomes never increases KL) and equals it when K covers the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOP_K = 64
+_TINY = 1e-12
+
+
+@dataclass(frozen=True)
+class ReferenceDistribution:
+    """The bf16 target's next-token distribution at each position, as its top-K tokens."""
+
+    ids: torch.Tensor  # [positions, K], most likely first
+    logprobs: torch.Tensor  # [positions, K]
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, k: int = TOP_K) -> ReferenceDistribution:
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        return cls(top.indices, top.values.float())
+
+
+@dataclass(frozen=True)
+class PromptFidelity:
+    """One prompt's sums, so prompts pool by their token counts."""
+
+    positions: int
+    agreements: int
+    kl_sum: float
+
+
+def compare(reference: ReferenceDistribution, logprobs: torch.Tensor) -> PromptFidelity:
+    """The MXFP4 target's log-probabilities [positions, vocab] at the same positions against bf16's."""
+    if logprobs.shape[0] != reference.ids.shape[0]:
+        raise ValueError(f"{logprobs.shape[0]} positions against a reference of {reference.ids.shape[0]}")
+    agreements = int((logprobs.argmax(-1) == reference.ids[:, 0]).sum())
+    return PromptFidelity(logprobs.shape[0], agreements, float(kl_per_position(reference, logprobs).sum()))
+
+
+def kl_per_position(reference: ReferenceDistribution, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(bf16 || MXFP4) over {each of bf16's top-K tokens, every other token}, per position."""
+    p_top = reference.logprobs.exp()
+    q_top_logprobs = logprobs.float().gather(-1, reference.ids)
+    top = (p_top * (reference.logprobs - q_top_logprobs)).sum(-1)
+    p_rest = (1 - p_top.sum(-1)).clamp_min(0)
+    q_rest = (1 - q_top_logprobs.exp().sum(-1)).clamp_min(_TINY)
+    rest = torch.where(p_rest > _TINY, p_rest * (p_rest.clamp_min(_TINY).log() - q_rest.log()), torch.zeros_like(p_rest))
+    return (top + rest).clamp_min(0)
