@@ -20,15 +20,15 @@ from pipeline.artifacts import (
 from pipeline.card import RunArtifacts, render_model_card
 from pipeline.errors import BadInputError
 from pipeline.recipe import Gate, Recipe
-from tests.test_gate import served_row, write_report
+from tests.test_gate import reference_measurements, served_row, write_report
 
 REPO = "owner/model-mxfp4"
 DRAFTER_FILES = {"model.safetensors": "a" * 64, "config.json": "b" * 64}
 
 
-def make_run(out, *, passed: bool, serving=None) -> RunArtifacts:
+def make_run(out, *, passed: bool, serving=None, reference=None) -> RunArtifacts:
     """A run folder with every artifact the card reads (the validate report is a real build_report one)."""
-    write_report(out, {"gsm8k": 0.7, "mbpp": 0.7}, serving=serving)
+    write_report(out, {"gsm8k": 0.7, "mbpp": 0.7}, serving=serving, reference=reference)
     for stage in ("quantize", "pair", "gate"):
         (out / stage).mkdir()
     write_artifact(QuantizeReport(target="/t", target_digest="d" * 64, scheme="mxfp4", mode="in_memory",
@@ -91,6 +91,19 @@ def test_served_rows_add_throughput_and_leave_the_not_measured_list(tmp_path):
     metrics = [m for r in metadata(card)["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "throughput"]
     assert metrics == [{"type": "throughput", "name": "dflash output tokens/s at concurrency 1, block 8", "value": 104.0}]
     assert "End-to-end serving throughput" not in card
+
+
+def test_a_reference_run_card_shows_own_and_same_text_acceptance_fidelity_and_accuracy(tmp_path):
+    reference = reference_measurements(0.65, kl=0.05, agreement=0.9, correct=(0.8, 0.7))
+    card = render_model_card(recipe(), make_run(tmp_path, passed=True, reference=reference), REPO)
+    assert "measured against **this quantized checkpoint**" in card and "along the bf16 model's text" in card
+    assert "| Workload | Block | bf16 own | MXFP4 own | MXFP4 on bf16 text |" in card
+    report = read_validate_report(tmp_path / "validate" / "report.json")
+    same = report.same_text_row("gsm8k", 8)
+    assert f"{same.delta:+.3f} | [{same.ci95[0]:+.3f}, {same.ci95[1]:+.3f}] |" in card, "same-text delta with its interval"
+    assert "### MXFP4 target fidelity on bf16's text" in card and "| gsm8k | 40 | 4000 | 0.900 |" in card
+    assert "| gsm8k | 0.800 | 0.700 | -0.100 |" in card, "accuracy, bf16 vs MXFP4, paired"
+    assert "Same-text acceptance and the target's top-1 agreement" not in card, "measured, so not in the not-measured list"
 
 
 def test_a_damaged_artifact_is_refused_in_one_line(tmp_path):
