@@ -183,7 +183,6 @@ class ValidateReport(_Artifact):
     same_text_drift: list[DriftRow] = []  # MXFP4 on bf16's text minus bf16 on its own text, paired
     fidelity: list[FidelityRow] = []
     accuracy: list[AccuracyRow] = []
-    reference_seconds: dict[str, float] = {}  # wall time of each reference-backend phase ("mxfp4 on bf16's text": the same-text cost)
 
     def same_text_row(self, workload: str, budget: int) -> DriftRow | None:
         return next((r for r in self.same_text_drift if (r.workload, r.budget) == (workload, budget)), None)

@@ -47,10 +47,6 @@ def report_markdown(report: ValidateReport) -> str:
                   "![per-position acceptance](per_position_acceptance.png)"]
         if report.same_text_cells:
             lines += ["", "![own text vs same text](same_text_acceptance.png)"]
-    if report.reference_seconds:
-        lines += ["", "Reference backend wall time: " + ", ".join(
-            f"{phase} {seconds:.0f} s" for phase, seconds in report.reference_seconds.items())
-            + " (the last is what the same-text and fidelity measures cost)."]
     if report.serving:
         lines += ["", *serving_tables(report.serving)]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items())), ""]

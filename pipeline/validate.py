@@ -15,6 +15,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -242,7 +243,6 @@ def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[Ser
             "accuracy": [_accuracy_row(w, reference.answers, v.max_tokens, seed) for w in v.workloads
                          if (w, "bf16") in reference.answers and (w, "mxfp4") in reference.answers],
         }
-        sections["reference_seconds"] = {phase: round(s, 1) for phase, s in reference.seconds.items()}
     return ValidateReport(**meta, cells=cells, drift=drifts, verdict=overall if drifts else "not measured",
                           serving=serving, **sections)
 
@@ -272,10 +272,15 @@ def _accuracy_row(workload: str, answers: dict, max_tokens: int, seed: int) -> A
                        note="last \\boxed{} answer against the reference answer; unfinished responses count as wrong")
 
 
+class Validated(NamedTuple):
+    report: ValidateReport
+    seconds: dict[str, float]  # wall time of each reference-backend phase: the manifest's, as it differs run to run
+
+
 def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, logs: Path,
-             console=None) -> dict:
+             console=None) -> Validated:
     """The validate stage's work: acceptance (reference backend, or vLLM's served counters per prompt)
-    and, with the vLLM backend, the serving study; returns the report dict."""
+    and, with the vLLM backend, the serving study."""
     from rich.progress import Progress
 
     from pipeline.versions import tool_versions
@@ -302,7 +307,7 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     report = build_report(recipe, per_prompt, meta, reference=reference)
     if serving is not None:
         report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
-    return report
+    return Validated(report, dict(reference.seconds) if reference is not None else {})
 
 
 def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
@@ -322,15 +327,16 @@ class ValidateStage:
     def external_inputs(self, ctx: StageContext) -> dict[str, Path]:
         return {}
 
-    def run(self, ctx: StageContext, workdir: Path) -> None:
+    def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
         from pipeline.resolve import read_resolved
 
         resolved = read_resolved(ctx.stage_dir("resolve"))
-        report = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
+        report, seconds = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
                           Path(resolved["drafter"].path), workdir / SERVER_LOGS, ctx.console)
         write_artifact(report, workdir / REPORT_FILE)
         (workdir / REPORT_MARKDOWN).write_text(report_markdown(report))
         write_figures(report, workdir)
-        if report.reference_seconds:
-            ctx.console.print("  reference backend: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in report.reference_seconds.items()))
+        if seconds:
+            ctx.console.print("  reference backend: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in seconds.items()))
         ctx.console.print(f"  own-text verdict: {report.verdict} ({len(report.drift)} drift rows)")
+        return {f"reference: {phase} (s)": round(s, 1) for phase, s in seconds.items()}

@@ -264,7 +264,7 @@ def _validate_and_gate(tmp_path, recipe, bf16: Path, export: Path):
     """validate (reference backend) and the gate over its report, as the pipeline runs them."""
     from pipeline.validate import validate
 
-    report = validate(recipe, bf16, export, recipe.drafter.path, tmp_path / "logs")
+    report = validate(recipe, bf16, export, recipe.drafter.path, tmp_path / "logs").report
     path = tmp_path / "validate" / "report.json"
     path.parent.mkdir(parents=True)
     write_artifact(report, path)
