@@ -112,7 +112,6 @@ class DriftRow(_Artifact):
     mean_position_gap: Rate
     position_drop_ci95: list[Interval]
     num_prompts: Annotated[int, Field(ge=1)]
-    verdict: Verdict
 
 
 class FidelityRow(_Artifact):
@@ -172,11 +171,9 @@ class ValidateReport(_Artifact):
     target: str
     drafter: str
     settings: ReportSettings
-    gate: Gate  # the recipe's thresholds at validate time; `mxspec gate` uses them unless given a recipe
     versions: dict[str, str | None]
     cells: list[AcceptanceCell]
     drift: list[DriftRow]
-    verdict: Literal["pass", "fail", "inconclusive", "not measured"]  # of the own-text drift rows alone
     serving: list[ServedRow] | None = None
     # Same text (reference backend): the drafter against the MXFP4 target along bf16's continuation.
     same_text_cells: list[AcceptanceCell] = []

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from pipeline.errors import MxspecError
 from pipeline.layout import RunLayout
-from pipeline.recipe import Recipe, load_recipe
+from pipeline.recipe import Gate, Recipe, load_recipe
 
 app = typer.Typer(
     name="mxspec",
@@ -153,7 +153,8 @@ def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     run_pipeline(load_recipe(recipe), out, until="validate")
     run = RunLayout(out)
     report = read_validate_report(run.report)
-    err.print(f"[green]validated[/]: verdict {report.verdict} -> {run.report_markdown}")
+    err.print(f"[green]validated[/]: {len(report.drift)} bf16-vs-MXFP4 drift rows -> {run.report_markdown} "
+              f"(judge them with `mxspec gate {run.report}`)")
 
 
 @app.command()
@@ -161,7 +162,7 @@ def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 def gate(
     report: Annotated[Path, typer.Argument(help="OUT/validate/report.json of a validate run", show_default=False)],
     recipe: Annotated[Optional[Path], typer.Option("--recipe", "-r", help="take thresholds from this recipe "
-                                                   "(default: the gate thresholds recorded in the report)")] = None,
+                                                   "(default: the [gate] defaults)")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="folder for verdict.json, summary.md, junit.xml "
                                                 "(default: gate/ beside the report's folder)")] = None,
 ) -> None:
@@ -176,8 +177,7 @@ def gate(
     from pipeline.gate import ICON, gate_report, write_gate_outputs
     from pipeline.runner import hold_run_folder, is_run_folder
 
-    thresholds = load_recipe(recipe).gate if recipe else None
-    result = gate_report(report, thresholds)
+    result = gate_report(report, load_recipe(recipe).gate if recipe else Gate())
     folder = Path(os.path.abspath(out or RunLayout(report.resolve().parent.parent).stage("gate")))
     # Inside a run folder, wait for no other mxspec run to hold it (the gate is one of its stages).
     with hold_run_folder(folder.parent) if is_run_folder(folder.parent) else nullcontext():

@@ -3,7 +3,8 @@
 The unit of resampling is the prompt: both precisions ran the same prompts, so each bootstrap draw
 picks prompts with replacement and recomputes both mean acceptance lengths from the pooled counts
 (a paired ratio estimator). The same draws give an interval for the drop of each per-position
-acceptance rate (bf16 minus MXFP4). `decide` is the one rule that turns an interval into a verdict:
+acceptance rate (bf16 minus MXFP4). This module measures; only the gate holds thresholds, and
+`decide` is the one rule it uses to turn the interval of a drop into a verdict:
   pass          the whole interval of the drop lies at or below the threshold (within tolerance);
   fail          the whole interval lies above the threshold (the drop is significantly too large);
   inconclusive  the interval straddles the threshold (more prompts are needed to decide).
@@ -29,7 +30,12 @@ class Drift:
     mean_position_gap: float
     position_drop_ci95: list[tuple[float, float]]  # interval of P_bf16(i) - P_mxfp4(i), per position
     num_prompts: int
-    verdict: str  # of the mean-AL drop against max_drop: pass | fail | inconclusive
+
+
+def drop_interval(delta_ci95: tuple[float, float]) -> tuple[float, float]:
+    """The interval of a drop (bf16 minus MXFP4) from the interval of a delta (MXFP4 minus bf16)."""
+    low, high = delta_ci95
+    return -high, -low
 
 
 def decide(drop_ci95: tuple[float, float], threshold: float) -> str:
@@ -47,9 +53,7 @@ def _pooled_al(drafts: np.ndarray, accepted: np.ndarray) -> np.ndarray:
     return 1.0 + accepted.sum(-1) / np.maximum(drafts.sum(-1), 1)
 
 
-def acceptance_drift(
-    bf16: list[AcceptanceStats], mxfp4: list[AcceptanceStats], max_drop: float, seed: int = 0
-) -> Drift:
+def acceptance_drift(bf16: list[AcceptanceStats], mxfp4: list[AcceptanceStats], seed: int = 0) -> Drift:
     """Drift from per-prompt stats (same prompts, same order, in both lists)."""
     if len(bf16) != len(mxfp4) or not bf16:
         raise ValueError("drift needs the same non-empty list of prompts for both precisions")
@@ -65,8 +69,7 @@ def acceptance_drift(
     pooled_bf16, pooled_mxfp4 = AcceptanceStats.pooled(bf16), AcceptanceStats.pooled(mxfp4)
     gaps = [abs(a - b) for a, b in zip(pooled_mxfp4.per_position_acceptance, pooled_bf16.per_position_acceptance)]
     return Drift(delta, (low, high), gaps, max(gaps), float(np.mean(gaps)),
-                 [(float(a), float(b)) for a, b in zip(drop_lows, drop_highs)], len(bf16),
-                 decide((-high, -low), max_drop))
+                 [(float(a), float(b)) for a, b in zip(drop_lows, drop_highs)], len(bf16))
 
 
 def _counts(stats: list[AcceptanceStats]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,8 @@
 """Gate stage: turn a validation report into a CI verdict.
 
-The gate never re-measures. It reads `validate/report.json`, applies the recipe's thresholds to each
-(workload, budget) drift row using the bootstrap intervals (`drift.decide`: fail only when the drop
+The gate never re-measures, and it alone holds thresholds (validate's fingerprint leaves `[gate]`
+out, so changing a threshold re-runs this stage only). It reads `validate/report.json`, applies the
+recipe's thresholds to each (workload, budget) drift row using the bootstrap intervals (`drift.decide`: fail only when the drop
 is significantly beyond the threshold, inconclusive when the interval straddles it) and, when the
 recipe asks for a minimum MXFP4 throughput lift, to the vLLM serving rows. Outputs, for people and CI
 systems: verdict.json (schema `mxspec.gate/1`), summary.md (a job summary or PR comment) and
@@ -26,7 +27,7 @@ from pipeline.artifacts import (
     read_validate_report,
     write_artifact,
 )
-from pipeline.drift import decide
+from pipeline.drift import decide, drop_interval
 from pipeline.errors import BadInputError, GateFailedError
 from pipeline.hashing import sha256_file
 from pipeline.layout import JUNIT_FILE, SUMMARY_FILE, VERDICT_FILE
@@ -44,10 +45,10 @@ def read_report(path: Path) -> ValidateReport:
     return report
 
 
-def gate_report(report_path: Path, thresholds: Gate | None = None) -> GateVerdict:
-    """Apply the thresholds (default: those the report records) to every drift row (and throughput pair)."""
+def gate_report(report_path: Path, thresholds: Gate) -> GateVerdict:
+    """Apply the thresholds to every drift row (and throughput pair). The report holds measurements and
+    intervals only, so thresholds change without re-measuring."""
     report = read_report(report_path)
-    thresholds = thresholds or report.gate
     checks = [_acceptance_check(row, thresholds, report) for row in report.drift]
     if thresholds.min_throughput_lift is not None:
         checks += _throughput_checks(report.serving or [], thresholds.min_throughput_lift)
@@ -79,7 +80,7 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
     measures = [_own_text(row, gate)]
     same = report.same_text_row(row.workload, row.budget)
     if same is not None:
-        drop_ci = (-same.ci95[1], -same.ci95[0])
+        drop_ci = drop_interval(same.ci95)
         verdict = decide(drop_ci, gate.max_same_text_drop)
         measures.append(_Measure("same text", verdict, (
             f"same-text mean AL drop {-same.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
@@ -98,7 +99,7 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
             f"{gate.max_kl}{_over(fidelity.kl, gate.max_kl, verdict)} -> {verdict}")))
     accuracy = report.accuracy_row(row.workload)
     if accuracy is not None and gate.max_accuracy_drop is not None:
-        drop_ci = (-accuracy.delta_ci95[1], -accuracy.delta_ci95[0])
+        drop_ci = drop_interval(accuracy.delta_ci95)
         verdict = decide(drop_ci, gate.max_accuracy_drop)
         measures.append(_Measure("accuracy", verdict, (
             f"accuracy drop {-accuracy.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
@@ -126,7 +127,7 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
 
 def _own_text(row: DriftRow, gate: Gate) -> _Measure:
     """Mean-AL drop and the worst per-position drop, each precision on its own greedy text."""
-    drop_ci = (-row.ci95[1], -row.ci95[0])
+    drop_ci = drop_interval(row.ci95)
     al_verdict = decide(drop_ci, gate.max_acceptance_length_drop)
     position_verdicts = [decide(tuple(ci), gate.max_position_gap) for ci in row.position_drop_ci95]
     worst = max(range(len(position_verdicts)), key=lambda i: (SEVERITY[position_verdicts[i]], row.position_drop_ci95[i][1]))

@@ -244,10 +244,10 @@ def report_edit(kind: str):
             drift[0]["position_drop_ci95"][0] = [0.2, -0.2]
         elif kind == "unknown-key":
             report["extra"] = 1
-        elif kind == "bad-thresholds":
-            report["gate"]["max_acceptance_length_drop"] = -1
-        elif kind == "unknown-verdict":
-            drift[0]["verdict"] = "fine"
+        elif kind == "block-of-one":
+            drift[0]["budget"] = 1
+        elif kind == "no-prompts":
+            drift[0]["num_prompts"] = 0
         elif kind == "not-an-object":
             return "[]"
         elif kind == "rate-above-one":
@@ -261,8 +261,8 @@ REPORT_CASES = {"old-schema": "mxspec.validate/1", "missing-cells": "'cells'", "
                 "one-drift-row-deleted": "no drift row", "all-drift-rows-deleted": "no drift row",
                 "cell-deleted": "no bf16 cell", "drift-row-twice": "appears twice",
                 "prompt-count-mismatch": "7 prompts", "reversed-interval": "reversed",
-                "unknown-key": "'extra'", "bad-thresholds": "gate.max_acceptance_length_drop",
-                "unknown-verdict": "drift.0.verdict", "not-an-object": "schema None", "rate-above-one": "cells.0"}
+                "unknown-key": "'extra'", "block-of-one": "drift.0.budget",
+                "no-prompts": "drift.0.num_prompts", "not-an-object": "schema None", "rate-above-one": "cells.0"}
 
 
 @pytest.mark.parametrize("case", sorted(REPORT_CASES))

@@ -33,11 +33,10 @@ def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 
     return stats
 
 
-def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, gate: Gate | None = None, serving=None,
+def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, serving=None,
                  reference: ReferenceMeasurements | None = None):
     """A real validate report (validate.build_report) for gsm8k/mbpp at blocks 4 and 8, bf16 accept 0.7."""
     recipe = Recipe.model_validate({"name": "gate-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
-                                    "gate": (gate or Gate()).model_dump(),
                                     "validation": {"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8],
                                                    "num_prompts": num_prompts}})
     per_prompt = {}
@@ -47,7 +46,7 @@ def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, gate:
             per_prompt[(workload, "mxfp4", block)] = per_prompt_stats(quant_accept[workload], num_prompts, 10 * w_index + block, block)
     report = build_report(recipe, per_prompt, {"recipe": recipe.name, "backend": "reference", "target": "/t",
                                                "drafter": "/d", "settings": report_settings(recipe),
-                                               "gate": recipe.gate, "versions": {}},
+                                               "versions": {}},
                           serving=None if serving is None else [ServedRow(**row) for row in serving],
                           reference=reference)
     path = tmp_path / "validate" / "report.json"
@@ -74,7 +73,7 @@ def test_a_significant_drop_fails_only_the_cells_that_dropped(tmp_path):
 @pytest.mark.parametrize("policy, passed", [("fail", False), ("pass", True)])
 def test_too_few_prompts_are_inconclusive_and_the_recipe_sets_the_policy(tmp_path, policy, passed):
     gate = Gate(max_acceptance_length_drop=0.25, max_position_gap=0.5, on_inconclusive=policy)
-    result = gate_report(write_report(tmp_path, {"gsm8k": 0.62, "mbpp": 0.7}, num_prompts=3, gate=gate), gate)
+    result = gate_report(write_report(tmp_path, {"gsm8k": 0.62, "mbpp": 0.7}, num_prompts=3), gate)
     assert result.verdict == "inconclusive" and result.passed is passed
 
 
@@ -122,7 +121,7 @@ def test_own_text_that_is_only_inconclusive_still_counts_as_held_when_fidelity_f
     # 3 prompts and no measurable own-text change: the own-text interval straddles the threshold
     gate = Gate(max_acceptance_length_drop=0.25, max_position_gap=0.5, max_kl=0.25, on_inconclusive="pass")
     reference = reference_measurements(0.62, kl=0.9, agreement=0.5, num_prompts=3)
-    path = write_report(tmp_path, {"gsm8k": 0.62, "mbpp": 0.7}, num_prompts=3, gate=gate, reference=reference)
+    path = write_report(tmp_path, {"gsm8k": 0.62, "mbpp": 0.7}, num_prompts=3, reference=reference)
     check = next(c for c in gate_report(path, gate).checks if c.name == "gsm8k B=8")
     assert "-> inconclusive" in check.reason.split("; same-text")[0]
     assert check.verdict == "fail" and check.reason.startswith("target degraded: ")
@@ -185,12 +184,14 @@ def test_throughput_lift_uses_serving_rows_when_asked(tmp_path):
 
 
 def test_cli_writes_summary_junit_and_verdict_and_exits_1_on_fail(mxspec, tmp_path):
-    report = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.3}, gate=Gate(max_position_gap=0.1))
+    """Without a recipe the gate applies the [gate] defaults: a report carries measurements, never thresholds."""
+    report = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.3})
     result = mxspec("gate", report)
     assert result.returncode == 1, result.stderr
     out = tmp_path / "gate"
     verdict = json.loads((out / "verdict.json").read_text())
     assert verdict["schema"] == "mxspec.gate/1" and verdict["verdict"] == "fail" and verdict["exit_code"] == 1
+    assert verdict["thresholds"] == Gate().model_dump()
     suite = ElementTree.parse(out / "junit.xml").getroot()
     cases = {case.get("name"): case for case in suite.iter("testcase")}
     assert set(cases) == {"gsm8k B=4", "gsm8k B=8", "mbpp B=4", "mbpp B=8"}
@@ -201,11 +202,12 @@ def test_cli_writes_summary_junit_and_verdict_and_exits_1_on_fail(mxspec, tmp_pa
 
 
 def test_cli_passes_with_thresholds_from_a_recipe(mxspec, tmp_path):
-    report = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.66}, gate=Gate(max_acceptance_length_drop=0.0, max_position_gap=0.0))
-    assert mxspec("gate", report, "--out", tmp_path / "strict").returncode == 1
-    recipe = tmp_path / "r.toml"
-    recipe.write_text('name = "r"\n[target]\npath = "/t"\n[drafter]\npath = "/d"\n'
-                      "[gate]\nmax_acceptance_length_drop = 1.0\nmax_position_gap = 0.3\n")
+    report = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.66})
+    head = 'name = "r"\n[target]\npath = "/t"\n[drafter]\npath = "/d"\n[gate]\n'
+    strict, recipe = tmp_path / "strict.toml", tmp_path / "r.toml"
+    strict.write_text(head + "max_acceptance_length_drop = 0.0\nmax_position_gap = 0.0\n")
+    recipe.write_text(head + "max_acceptance_length_drop = 1.0\nmax_position_gap = 0.3\n")
+    assert mxspec("gate", report, "--recipe", strict, "--out", tmp_path / "strict").returncode == 1
     result = mxspec("gate", report, "--recipe", recipe, "--out", tmp_path / "lenient")
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "lenient" / "verdict.json").read_text())["thresholds"]["max_acceptance_length_drop"] == 1.0
