@@ -20,6 +20,7 @@ from rich.table import Table
 from pipeline.errors import MxspecError
 from pipeline.layout import RunLayout
 from pipeline.recipe import Gate, Recipe, load_recipe
+from pipeline.stage_log import VERBOSE_ENV
 
 app = typer.Typer(
     name="mxspec",
@@ -33,6 +34,15 @@ recipe_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(recipe_app, name="recipe")
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@app.callback()
+def options(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show other tools' output (Quark, transformers, "
+                                          "vLLM) on the terminal instead of OUT/.mxspec/logs/<stage>.log")] = False,
+) -> None:
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # read by every stage this process runs (`pipeline.stage_log`)
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe TOML file, e.g. recipes/reference-cpu.toml", show_default=False)]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="output folder; one subfolder per stage")]

@@ -1,6 +1,6 @@
 """The run folder: where every stage's outputs live, named once.
 
-    OUT/.mxspec/                 mxspec's own state: the run lock and the hash cache
+    OUT/.mxspec/                 mxspec's own state: the run lock, the hash cache, logs/<stage>.log
     OUT/<stage>/manifest.json    what the stage's outputs were made from (see `runner`)
     OUT/resolve/<role>.json      each model's local folder and file hashes
     OUT/quantize/checkpoint/     the MXFP4 checkpoint, and mxspec-quantize.json beside it
@@ -25,6 +25,7 @@ from pathlib import Path
 STATE_DIR = ".mxspec"
 LOCK_FILE = "lock"
 HASH_CACHE_FILE = "hash-cache.json"
+STAGE_LOGS = "logs"  # under STATE_DIR: third-party output of each stage's last run (`stage_log`)
 MANIFEST = "manifest.json"
 QUANTIZE_REPORT = "mxspec-quantize.json"
 CHECKPOINT = "checkpoint"
@@ -72,6 +73,9 @@ class RunLayout:
     @property
     def hash_cache(self) -> Path:
         return self.state / HASH_CACHE_FILE
+
+    def stage_log(self, stage: str) -> Path:
+        return self.state / STAGE_LOGS / f"{stage}.log"
 
     def resolved(self, role: str) -> Path:
         return self.stage("resolve") / resolved_file(role)

@@ -40,6 +40,7 @@ from pipeline.errors import BadInputError, ExternalError
 from pipeline.hashing import HashCache, digest_of
 from pipeline.layout import MANIFEST, RunLayout
 from pipeline.recipe import Recipe
+from pipeline.stage_log import third_party_output_to, verbose
 from pipeline.versions import tool_versions
 
 
@@ -132,12 +133,15 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
         raise BadInputError(f"stage '{stage.name}' in {ctx.out} is missing or out of date for this recipe; "
                             f"run `mxspec run RECIPE --out {ctx.out}` first")
 
-    ctx.console.print(f"[bold]→ {stage.name}[/]")
+    log = ctx.run.stage_log(stage.name)
+    ctx.console.print(f"[bold]→ {stage.name}[/]" + ("" if verbose() else f"  [dim](other tools' output: {log})[/]"),
+                      soft_wrap=True)
     if previous and previous.stage == stage.name and not (final / OWNER_MARK).exists():
         (final / OWNER_MARK).touch()  # a stage folder of an mxspec from before ownership marks: ours to replace
     started = time.time()
     with atomic_directory(final) as workdir, _disk_full_is_external(stage, ctx):
-        measured = stage.run(ctx, workdir) or {}
+        with third_party_output_to(log, ctx.console):
+            measured = stage.run(ctx, workdir) or {}
         outputs = ctx.hashes.tree(workdir)
         outputs.pop(MANIFEST, None)
         outputs.pop(OWNER_MARK, None)

@@ -73,6 +73,9 @@ def test_run_end_to_end_then_resume(mxspec, tmp_path, reference_target):
         assert second.stderr.count("up to date (skipped)") == 5  # publish always re-checks
         assert [c.commit_id for c in api.list_repo_commits(repo)] == history
         assert TOKEN not in first.stdout + first.stderr + second.stdout + second.stderr
+        logs = {log.stem: log.read_text() for log in (out / ".mxspec" / "logs").glob("*.log")}
+        assert {"quantize", "validate", "publish"} <= set(logs) and not any(TOKEN in text for text in logs.values())
+        assert "QUARK-INFO" in logs["validate"] and "QUARK-INFO" not in first.stdout + first.stderr  # kept aside
     finally:
         hub.kill()
         hub.wait()

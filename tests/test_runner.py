@@ -18,6 +18,7 @@ from pipeline.errors import BadInputError
 from pipeline.layout import MANIFEST
 from pipeline.recipe import load_recipe
 from pipeline.runner import read_manifest, run_stages
+from pipeline.stage_log import VERBOSE_ENV
 
 RECIPE = """
 name = "runner-test"
@@ -233,7 +234,8 @@ def test_killed_at_any_moment_resumes_to_the_same_artifacts(setup):
     tmp, _, _ = setup
     script = tmp / "slow.py"
     script.write_text(SLOW_PIPELINE)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # MXSPEC_VERBOSE: the stages' prints, which time the kills, stay on stdout instead of the stage logs
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), VERBOSE_ENV: "1"}
 
     def start(out: Path) -> subprocess.Popen:
         return subprocess.Popen(
@@ -272,3 +274,60 @@ def test_killed_at_any_moment_resumes_to_the_same_artifacts(setup):
     assert leftovers == []
     assert not (out / "c" / MANIFEST).read_text() == ""
     assert json.loads((out / "c" / MANIFEST).read_text())["stage"] == "c"
+
+
+CHATTY_PIPELINE = textwrap.dedent(
+    """
+    import logging, os, sys
+    from pathlib import Path
+    from pipeline.recipe import load_recipe
+    from pipeline.runner import run_stages
+
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO)  # as Quark and transformers set up theirs
+
+    class Chatty:
+        version, sections, requires, tools = 1, (), (), ()
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+        def external_inputs(self, ctx):
+            return {}
+        def run(self, ctx, workdir):
+            print(f"{self.name}: python stdout chatter")
+            sys.stderr.write(f"{self.name}: python stderr chatter\\n")
+            os.write(1, f"{self.name}: descriptor chatter\\n".encode())  # as a C extension writes
+            logging.getLogger("quark").info(f"{self.name}: logger chatter")
+            ctx.console.print(f"{self.name}: mxspec's own line")
+            (workdir / "out.txt").write_text(self.name)
+            if self.fail:
+                raise RuntimeError(f"{self.name} failed")
+
+    recipe = load_recipe(sys.argv[1])
+    try:
+        run_stages(recipe, Path(sys.argv[2]), [Chatty("first"), Chatty("second", fail=True)])
+    except RuntimeError as exc:
+        print(f"after the run: {exc}", file=sys.stderr)
+    """
+)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_other_tools_output_goes_to_the_stage_log_and_mxspec_lines_to_the_terminal(setup, verbose):
+    tmp, _, _ = setup
+    script = tmp / "chatty.py"
+    script.write_text(CHATTY_PIPELINE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), VERBOSE_ENV: "1" if verbose else ""}
+    out = tmp / "out"
+    done = subprocess.run([sys.executable, str(script), str(tmp / "recipe.toml"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    terminal = done.stdout + done.stderr
+    for name in ("first", "second"):
+        assert f"{name}: mxspec's own line" in terminal
+        chatter = [f"{name}: {kind} chatter" for kind in ("python stdout", "python stderr", "descriptor", "logger")]
+        log = out / ".mxspec" / "logs" / f"{name}.log"
+        if verbose:
+            assert all(line in terminal for line in chatter) and not log.exists()
+        else:
+            assert not any(line in terminal for line in chatter), terminal
+            assert all(line in log.read_text() for line in chatter)
+    # a stage that raised gave the descriptors back: what the program prints afterwards reaches the terminal
+    assert "after the run: second failed" in done.stderr
