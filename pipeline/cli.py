@@ -87,6 +87,46 @@ def recipe_check(recipe: RecipeArg) -> None:
         err.print(f"[yellow]note:[/] {escape(note)}")
 
 
+@app.command()
+@_guarded
+def plan(
+    recipe: RecipeArg,
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs per node")] = 8,
+    nodes: Annotated[int, typer.Option("--nodes", help="nodes in the cluster")] = 1,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="also write the plan here as JSON")] = None,
+) -> None:
+    """Estimate the study before running it: its cells, longest first, and its wall time on one GPU, on
+    one node of GPUS and on NODES such nodes. Estimates come from the recipe's [plan] rates."""
+    from pipeline.atomic import atomic_write_text
+    from pipeline.errors import BadInputError
+    from pipeline.plan import plan_study
+
+    if gpus < 1 or nodes < 1:
+        raise BadInputError(f"--gpus {gpus} --nodes {nodes}: both must be at least 1")
+    study = plan_study(load_recipe(recipe), gpus_per_node=gpus, nodes=nodes)
+    out = Console()
+    table = Table(title=escape(f"{study.recipe}: {len(study.cells)} cells (estimates, not measurements)"),
+                  title_justify="left")
+    for column in ("cell", "GPUs", "tokens", "estimate"):
+        table.add_column(column, justify="left" if column == "cell" else "right")
+    for cell in study.cells:
+        table.add_row(cell.name, str(cell.gpus), f"{cell.output_tokens:,}", _hours(cell.estimate_s))
+    out.print(table)
+    for s in study.schedules:
+        where = f"{s.nodes} node{'s' if s.nodes > 1 else ''} x {s.gpus_per_node} GPU{'s' if s.gpus_per_node > 1 else ''}"
+        out.print(f"wall time on {where}: {_hours(s.wall_s)}")
+    widest = study.schedules[-1]
+    out.print(f"schedule on {widest.nodes} x {widest.gpus_per_node} GPUs, longest first:")
+    for p in widest.placements:
+        out.print(f"  node {p.node} GPU {','.join(map(str, p.gpus))}: {p.cell} {_hours(p.start_s)} -> {_hours(p.end_s)}")
+    if json_path is not None:
+        atomic_write_text(json_path, study.model_dump_json(indent=2) + "\n")
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
 def _recipe_table(path: Path, recipe: Recipe) -> Table:
     v, q = recipe.validation, recipe.quantization
     table = Table(title=escape(f"{path}: ok"), show_header=False, title_justify="left")

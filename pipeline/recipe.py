@@ -171,6 +171,24 @@ class Serving(_Section):
     request_timeout_s: Annotated[float, Field(gt=0)] = Field(600.0, description="one request; a hung server fails after this")
 
 
+class Plan(_Section):
+    """Rates for `mxspec plan`'s estimates: assumptions, not measurements. The serving defaults are
+    Qwen3.5-27B on one MI355X at concurrency 1 as AMD's ROCm blog reports it (AR about 80 tok/s, MTP
+    about 245, DFlash about 400; MXFP4 about 15% faster); the reference defaults are what the reference
+    pair measured on a 2-core CPU (docs/benchmarks.md)."""
+
+    tok_s: dict[Method, Annotated[float, Field(gt=0)]] = Field(
+        {"ar": 80.0, "mtp": 245.0, "dflash": 400.0}, description="one request's output tokens/s per method, bf16 target")
+    mxfp4_speedup: Annotated[float, Field(gt=0)] = 1.15
+    batch_gain: Annotated[float, Field(ge=1)] = Field(
+        8.0, description="aggregate throughput at concurrency c = one request's x min(c, batch_gain)")
+    output_tokens_per_prompt: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="expected tokens per response; default validation.max_tokens (an upper bound)")
+    server_start_s: Annotated[float, Field(ge=0)] = Field(300.0, description="loading and warming one vLLM server")
+    reference_tok_s: dict[Precision, Annotated[float, Field(gt=0)]] = Field(
+        {"bf16": 18.0, "mxfp4": 8.7}, description="reference backend, tokens/s per precision (MXFP4 includes the same-text pass)")
+
+
 class Publish(_Section):
     repo_id: str | None = Field(None, description="target Hub repo 'owner/name'; unset = do not publish")
     private: bool = True
@@ -198,6 +216,7 @@ class Recipe(_Section):
     validation: Validation = Validation()
     gate: Gate = Gate()
     serving: Serving = Serving()
+    plan: Plan = Plan()
     publish: Publish = Publish()
 
     @model_validator(mode="after")
@@ -206,6 +225,16 @@ class Recipe(_Section):
         if repo and drafter and repo.lower() == drafter.lower():
             raise ValueError(f"publish.repo_id {repo!r} is the drafter's repo; mxspec never modifies the drafter, "
                              "publish the quantized target to its own repo")
+        return self
+
+    @model_validator(mode="after")
+    def _plan_has_every_rate(self) -> Recipe:
+        v = self.validation
+        missing = [f"plan.tok_s.{m}" for m in v.methods if "vllm" in v.backends and m not in self.plan.tok_s]
+        missing += [f"plan.reference_tok_s.{p}" for p in v.precisions
+                    if "reference" in v.backends and p not in self.plan.reference_tok_s]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: no rate to estimate with; add it to [plan] or drop the key to use the defaults")
         return self
 
     def section_hash(self, *sections: str) -> str:

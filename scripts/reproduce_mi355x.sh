@@ -11,11 +11,9 @@
 # gated checkpoints are then published in one job (set [publish] repo_id in each recipe first).
 # Re-running resumes: finished stages are skipped.
 #
-# Expected run time (an estimate, not measured here: no MI355X was available to this project):
-# 14 servers per model; each serves 5 x 128 prompts at concurrency 1 and 32. From the blog's rates
-# (27B AR ~80 tok/s, DFlash ~400 tok/s at concurrency 1) and ~1,500 output tokens per prompt, the
-# concurrency-1 sweeps dominate: about 20-25 h for 27B and 12-15 h for 35B-A3B on one GPU, plus
-# quantization (~1 h each, file-to-file) and downloads. Lower validation.num_prompts to trade
+# Expected run time: `mxspec plan RECIPE` estimates it from the recipe's [plan] rates (not measured
+# here: no MI355X was available to this project); for the 27B recipe about 19 h of serving on one GPU,
+# plus quantization (~1 h each, file-to-file) and downloads. Lower validation.num_prompts to trade
 # statistical power for time (the gate reports inconclusive when prompts are too few).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,7 +16,7 @@ from pipeline.errors import BadInputError
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "docs" / "schemas"
 LIGHT = ("pipeline.artifacts", "pipeline.gate", "pipeline.card", "pipeline.publish", "pipeline.jobs", "pipeline.cli",
-         "pipeline.report_markdown", "pipeline.report_figures")
+         "pipeline.report_markdown", "pipeline.report_figures", "pipeline.plan")
 
 
 def test_docs_schemas_match_the_models():

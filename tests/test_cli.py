@@ -10,7 +10,7 @@ from tests.conftest import RECIPES
 def test_help_lists_every_command(mxspec):
     result = mxspec("--help")
     assert result.returncode == 0
-    for command in ("recipe", "quantize", "pair", "validate", "gate", "publish", "run"):
+    for command in ("recipe", "plan", "quantize", "pair", "validate", "gate", "publish", "run"):
         assert command in result.stdout
 
 

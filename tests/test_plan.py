@@ -1,0 +1,91 @@
+"""The planner: the study's cells with their estimated cost, and longest-first schedules on GPUs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.errors import BadInputError
+from pipeline.plan import PlannedCell, StudyPlan, plan_study, schedule, study_cells
+from pipeline.recipe import Recipe, load_recipe
+from tests.conftest import RECIPES
+
+
+def recipe(**validation) -> Recipe:
+    return Recipe.model_validate({"name": "plan-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
+                                  "validation": validation})
+
+
+def cell(name: str, seconds: float, gpus: int = 1, after: tuple[str, ...] = ()) -> PlannedCell:
+    return PlannedCell(name=name, kind="serving", gpus=gpus, output_tokens=0, estimate_s=seconds, after=after)
+
+
+def test_a_serving_cell_is_one_server_of_the_matrix_costed_by_the_documented_arithmetic():
+    study = recipe(workloads=["gsm8k", "mbpp"], budgets=[4, 8], concurrency=[1, 32], methods=["ar", "dflash"],
+                   num_prompts=10, max_tokens=100)
+    cells = {c.name: c for c in study_cells(study)}
+    assert set(cells) == {f"serve {p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", "dflash-b4", "dflash-b8")}
+    rates = study.plan
+    # per workload: 10 prompts x 100 tokens at concurrency 1 and at 32 (aggregate rate x batch_gain)
+    per_workload = 10 * 100 / 80.0 + 10 * 100 / (80.0 * rates.batch_gain)
+    assert cells["serve bf16-ar"].estimate_s == pytest.approx(rates.server_start_s + 2 * per_workload)
+    assert cells["serve mxfp4-ar"].estimate_s < cells["serve bf16-ar"].estimate_s  # mxfp4_speedup
+    assert cells["serve bf16-ar"].output_tokens == 2 * 2 * 10 * 100
+    assert list(cells.values()) == sorted(cells.values(), key=lambda c: -c.estimate_s)  # longest first
+
+
+def test_reference_cells_are_precision_by_workload_and_mxfp4_waits_for_bf16s_text():
+    study = recipe(workloads=["gsm8k", "mbpp"], backends=["reference"], concurrency=[1], num_prompts=6, max_tokens=96)
+    cells = {c.name: c for c in study_cells(study)}
+    assert set(cells) == {f"reference {p}-{w}" for p in ("bf16", "mxfp4") for w in ("gsm8k", "mbpp")}
+    assert cells["reference mxfp4-gsm8k"].after == ("reference bf16-gsm8k",)
+    assert cells["reference bf16-gsm8k"].estimate_s == pytest.approx(6 * 96 / study.plan.reference_tok_s["bf16"])
+    placed = {p.cell: p for p in schedule(list(cells.values()), nodes=1, gpus_per_node=4).placements}
+    for workload in ("gsm8k", "mbpp"):
+        assert placed[f"reference mxfp4-{workload}"].start_s >= placed[f"reference bf16-{workload}"].end_s
+
+
+def test_the_schedule_places_the_longest_cell_first_on_the_gpus_that_free_up_first():
+    cells = [cell("a", 10), cell("b", 7), cell("c", 5), cell("d", 4), cell("e", 2)]
+    two = schedule(cells, nodes=1, gpus_per_node=2)
+    # a on GPU 0 (0-10), b on GPU 1 (0-7), c after b (7-12), d after a (10-14), e after c (12-14)
+    assert two.wall_s == 14
+    assert schedule(cells, nodes=1, gpus_per_node=1).wall_s == 28
+    assert schedule(cells, nodes=3, gpus_per_node=2).wall_s == 10  # the longest cell bounds any cluster
+
+
+def test_a_tensor_parallel_server_takes_gpus_of_one_node():
+    cells = [cell("wide", 10, gpus=2), cell("narrow", 3)]
+    placed = {p.cell: p for p in schedule(cells, nodes=2, gpus_per_node=2).placements}
+    assert len(placed["wide"].gpus) == 2 and placed["narrow"].node != placed["wide"].node
+    wide = recipe(workloads=["gsm8k"], budgets=[4], methods=["dflash"]).model_copy(
+        update={"serving": Recipe.model_fields["serving"].default.model_copy(update={"tensor_parallel_size": 4})})
+    with pytest.raises(BadInputError, match="needs 4 GPUs .* a node has 2"):
+        plan_study(wide, gpus_per_node=2)
+
+
+def test_more_gpus_never_take_longer_and_the_totals_add_up():
+    study = plan_study(load_recipe(RECIPES / "qwen3.5-27b-mxfp4.toml"), gpus_per_node=8, nodes=4)
+    one, node, cluster = (s.wall_s for s in study.schedules)
+    assert len(study.cells) == 14 and one == pytest.approx(study.total_s)
+    assert one > node >= cluster >= max(c.estimate_s for c in study.cells)
+
+
+def test_the_recipe_names_a_rate_for_every_method_it_serves():
+    with pytest.raises(ValueError, match=r"plan.tok_s.mtp: no rate"):
+        Recipe.model_validate({"name": "r", "target": {"path": "/t"}, "drafter": {"path": "/d"},
+                               "plan": {"tok_s": {"ar": 50.0, "dflash": 200.0}}})
+
+
+def test_cli_prints_cells_wall_times_and_writes_the_plan_as_json(mxspec, tmp_path):
+    done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--gpus", "8", "--nodes", "4", "--json", tmp_path / "plan.json")
+    assert done.returncode == 0, done.stderr
+    assert "serve mxfp4-dflash-b16" in done.stdout and "wall time on 4 nodes x 8 GPUs" in done.stdout
+    plan = StudyPlan.model_validate(json.loads((tmp_path / "plan.json").read_text()))
+    assert [(s.nodes, s.gpus_per_node) for s in plan.schedules] == [(1, 1), (1, 8), (4, 8)]
+
+
+def test_cli_refuses_a_cluster_without_gpus_in_one_line(mxspec):
+    done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--gpus", "0")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--gpus 0" in done.stderr
