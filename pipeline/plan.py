@@ -94,7 +94,7 @@ def schedule(cells: list[PlannedCell], nodes: int, gpus_per_node: int) -> Schedu
     free = [[0.0] * gpus_per_node for _ in range(nodes)]  # when each GPU is next free
     done: dict[str, float] = {}
     placements = []
-    waiting = list(cells)
+    waiting = sorted(cells, key=lambda c: -c.estimate_s)
     while waiting:
         cell = next(c for c in waiting if all(dep in done for dep in c.after))
         waiting.remove(cell)

@@ -47,7 +47,7 @@ def test_reference_cells_are_precision_by_workload_and_mxfp4_waits_for_bf16s_tex
 
 
 def test_the_schedule_places_the_longest_cell_first_on_the_gpus_that_free_up_first():
-    cells = [cell("a", 10), cell("b", 7), cell("c", 5), cell("d", 4), cell("e", 2)]
+    cells = [cell("e", 2), cell("c", 5), cell("a", 10), cell("d", 4), cell("b", 7)]  # any order in
     two = schedule(cells, nodes=1, gpus_per_node=2)
     # a on GPU 0 (0-10), b on GPU 1 (0-7), c after b (7-12), d after a (10-14), e after c (12-14)
     assert two.wall_s == 14
