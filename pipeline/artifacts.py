@@ -160,6 +160,11 @@ class ServedRow(_Artifact):
     speedup: float | None = Field(None, json_schema_extra=VOLATILE)
     identical_to_ar: float | None = None
     acceptance_length_measured: float | None = None
+    # Where the speed went (`serving.benchmark.speed_accounting`)
+    speedup_over_al: float | None = Field(None, json_schema_extra=VOLATILE)  # 1.0: a speculative step costs an AR step
+    weight_bytes: int | None = None  # the served checkpoint's weight files
+    weight_bandwidth_gb_s: float | None = Field(None, json_schema_extra=VOLATILE)  # weight_bytes x target steps per second
+    bandwidth_share: float | None = Field(None, json_schema_extra=VOLATILE)  # of serving.peak_bandwidth_tb_s
 
 
 class ValidateReport(_Artifact):

@@ -168,6 +168,8 @@ class Serving(_Section):
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     extra_args: list[str] = []
     startup_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    peak_bandwidth_tb_s: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="the accelerator's memory bandwidth, TB/s (MI355X: 8.0): served rows report their share of it")
     request_timeout_s: Annotated[float, Field(gt=0)] = Field(600.0, description="one request; a hung server fails after this")
 
 

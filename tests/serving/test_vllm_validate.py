@@ -53,9 +53,11 @@ def test_every_server_of_the_matrix_served_with_positive_throughput(served):
     for row in report["serving"]:
         assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0 and row["num_prompts"] == 3
         if row["method"] == "ar":
-            assert row["speedup"] == pytest.approx(1.0)
+            assert row["speedup"] == pytest.approx(1.0) and row["speedup_over_al"] is None
         else:
             assert row["speedup"] > 0
+            assert row["speedup_over_al"] == pytest.approx(row["speedup"] / row["mean_acceptance_length"])
+        assert row["weight_bytes"] > 0 and row["weight_bandwidth_gb_s"] > 0 and row["bandwidth_share"] is None
 
 
 def test_dflash_greedy_tokens_equal_ar_at_both_precisions(served):
@@ -82,6 +84,7 @@ def test_report_has_the_serving_tables_and_figures(served):
     text = (out / "validate" / "report.md").read_text()
     assert "Throughput speedup over AR, bf16 target, concurrency 1" in text
     assert "Served vs measured acceptance length" in text and "MXFP4 throughput over bf16" in text
+    assert "Where the speed went (vLLM)" in text
     for figure in ("speedup.png", "throughput_lift.png"):
         assert (out / "validate" / figure).read_bytes()[:4] == b"\x89PNG"
     assert any(p.name.endswith(".log") for p in (out / "validate" / "logs").iterdir())
