@@ -10,8 +10,16 @@ trailing `.` ignored); MATH-500 compares the answer strings after a light LaTeX 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 CHECKABLE = ("gsm8k", "math500")
+
+
+@dataclass(frozen=True)
+class Answer:
+    finished: bool  # the response ended (EOS) within max_tokens
+    correct: bool
+
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

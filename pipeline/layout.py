@@ -1,11 +1,12 @@
 """The run folder: where every stage's outputs live, named once.
 
-    OUT/.mxspec/                 mxspec's own state: the run lock, the hash cache, logs/<stage>.log
+    OUT/.mxspec/                 mxspec's own state: the run lock, the hash cache, logs/<stage>.log,
+                                 logs/servers/<server>.log, and cells/<cell>/ (validate's finished cells)
     OUT/<stage>/manifest.json    what the stage's outputs were made from (see `runner`)
     OUT/resolve/<role>.json      each model's local folder and file hashes
     OUT/quantize/checkpoint/     the MXFP4 checkpoint, and mxspec-quantize.json beside it
     OUT/pair/pair.json           the drafter/target pairing and the launch commands
-    OUT/validate/report.json     the measurements, report.md and the figures beside it, server logs in logs/
+    OUT/validate/report.json     the measurements, report.md and the figures beside it, cells/ (links)
     OUT/gate/verdict.json        the verdict, summary.md and junit.xml beside it
     OUT/publish/publish.json     what was published (or why not)
 
@@ -32,7 +33,8 @@ CHECKPOINT = "checkpoint"
 PAIR_FILE = "pair.json"
 REPORT_FILE = "report.json"
 REPORT_MARKDOWN = "report.md"
-SERVER_LOGS = "logs"
+CELLS = "cells"  # under STATE_DIR: validate's cell store; under the validate folder: links to the cells used
+SERVER_LOGS = "servers"  # under STATE_DIR/STAGE_LOGS
 VERDICT_FILE = "verdict.json"
 SUMMARY_FILE = "summary.md"
 JUNIT_FILE = "junit.xml"
@@ -76,6 +78,14 @@ class RunLayout:
 
     def stage_log(self, stage: str) -> Path:
         return self.state / STAGE_LOGS / f"{stage}.log"
+
+    @property
+    def server_logs(self) -> Path:
+        return self.state / STAGE_LOGS / SERVER_LOGS
+
+    @property
+    def cells(self) -> Path:
+        return self.state / CELLS
 
     def resolved(self, role: str) -> Path:
         return self.stage("resolve") / resolved_file(role)

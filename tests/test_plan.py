@@ -25,25 +25,25 @@ def test_a_serving_cell_is_one_server_of_the_matrix_costed_by_the_documented_ari
     study = recipe(workloads=["gsm8k", "mbpp"], budgets=[4, 8], concurrency=[1, 32], methods=["ar", "dflash"],
                    num_prompts=10, max_tokens=100)
     cells = {c.name: c for c in study_cells(study)}
-    assert set(cells) == {f"serve {p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", "dflash-b4", "dflash-b8")}
+    assert set(cells) == {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", "dflash-b4", "dflash-b8")}
     rates = study.plan
     # per workload: 10 prompts x 100 tokens at concurrency 1 and at 32 (aggregate rate x batch_gain)
     per_workload = 10 * 100 / 80.0 + 10 * 100 / (80.0 * rates.batch_gain)
-    assert cells["serve bf16-ar"].estimate_s == pytest.approx(rates.server_start_s + 2 * per_workload)
-    assert cells["serve mxfp4-ar"].estimate_s < cells["serve bf16-ar"].estimate_s  # mxfp4_speedup
-    assert cells["serve bf16-ar"].output_tokens == 2 * 2 * 10 * 100
+    assert cells["serve-bf16-ar"].estimate_s == pytest.approx(rates.server_start_s + 2 * per_workload)
+    assert cells["serve-mxfp4-ar"].estimate_s < cells["serve-bf16-ar"].estimate_s  # mxfp4_speedup
+    assert cells["serve-bf16-ar"].output_tokens == 2 * 2 * 10 * 100
     assert list(cells.values()) == sorted(cells.values(), key=lambda c: -c.estimate_s)  # longest first
 
 
 def test_reference_cells_are_precision_by_workload_and_mxfp4_waits_for_bf16s_text():
     study = recipe(workloads=["gsm8k", "mbpp"], backends=["reference"], concurrency=[1], num_prompts=6, max_tokens=96)
     cells = {c.name: c for c in study_cells(study)}
-    assert set(cells) == {f"reference {p}-{w}" for p in ("bf16", "mxfp4") for w in ("gsm8k", "mbpp")}
-    assert cells["reference mxfp4-gsm8k"].after == ("reference bf16-gsm8k",)
-    assert cells["reference bf16-gsm8k"].estimate_s == pytest.approx(6 * 96 / study.plan.reference_tok_s["bf16"])
+    assert set(cells) == {f"reference-{p}-{w}" for p in ("bf16", "mxfp4") for w in ("gsm8k", "mbpp")}
+    assert cells["reference-mxfp4-gsm8k"].after == ("reference-bf16-gsm8k",)
+    assert cells["reference-bf16-gsm8k"].estimate_s == pytest.approx(6 * 96 / study.plan.reference_tok_s["bf16"])
     placed = {p.cell: p for p in schedule(list(cells.values()), nodes=1, gpus_per_node=4).placements}
     for workload in ("gsm8k", "mbpp"):
-        assert placed[f"reference mxfp4-{workload}"].start_s >= placed[f"reference bf16-{workload}"].end_s
+        assert placed[f"reference-mxfp4-{workload}"].start_s >= placed[f"reference-bf16-{workload}"].end_s
 
 
 def test_the_schedule_places_the_longest_cell_first_on_the_gpus_that_free_up_first():
@@ -81,7 +81,7 @@ def test_the_recipe_names_a_rate_for_every_method_it_serves():
 def test_cli_prints_cells_wall_times_and_writes_the_plan_as_json(mxspec, tmp_path):
     done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--gpus", "8", "--nodes", "4", "--json", tmp_path / "plan.json")
     assert done.returncode == 0, done.stderr
-    assert "serve mxfp4-dflash-b16" in done.stdout and "wall time on 4 nodes x 8 GPUs" in done.stdout
+    assert "serve-mxfp4-dflash-b16" in done.stdout and "wall time on 4 nodes x 8 GPUs" in done.stdout
     plan = StudyPlan.model_validate(json.loads((tmp_path / "plan.json").read_text()))
     assert [(s.nodes, s.gpus_per_node) for s in plan.schedules] == [(1, 1), (1, 8), (4, 8)]
 

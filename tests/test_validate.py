@@ -122,3 +122,44 @@ def test_redone_validate_writes_the_same_bytes_and_keeps_its_wall_times_in_the_m
     assert set(again.measured) == {"reference: bf16 own text (s)", "reference: mxfp4 own text (s)",
                                    "reference: mxfp4 on bf16's text (s)"}
     assert all(seconds >= 0 for seconds in again.measured.values())
+
+
+def test_a_validate_killed_between_cells_resumes_with_the_finished_cells_untouched(report, tmp_path):
+    """SIGKILL once the first cell is finished; run again: that cell's files are the very same files
+    (inode and mtime), the other cells are measured, and the report equals an uninterrupted run's."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.cells import CELL_FILE
+
+    out = tmp_path / "out"
+    shutil.copytree(report.parent, out, ignore=shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock"))
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-c", "from pipeline.cli import main; main()", "run",
+               str(report.parent.parent / "recipe.toml"), "--out", str(out), "--until", "validate"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    cells = out / ".mxspec" / "cells"
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline and not list(cells.glob(f"*/{CELL_FILE}")):
+        time.sleep(0.01)
+    assert proc.poll() is None, f"validate ended (exit {proc.returncode}) before a cell was finished"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = [path.parent for path in cells.glob(f"*/{CELL_FILE}")]
+    assert len(finished) == 1 and not (out / "validate").exists()
+    before = {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in finished[0].rglob("*") if path.is_file()}
+
+    again = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{finished[0].name}: measured earlier (kept)" in again.stderr
+    assert {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in before} == before
+    assert len(list(cells.glob(f"*/{CELL_FILE}"))) == 4
+    assert (out / "validate" / "report.json").read_bytes() == (report / "report.json").read_bytes()
+    assert (out / "validate" / "cells" / finished[0].name / "result.json").stat().st_ino == \
+        (finished[0] / "result.json").stat().st_ino  # the stage links the cells it used

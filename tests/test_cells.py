@@ -1,0 +1,62 @@
+"""The cell store: a finished cell is kept while its fingerprint holds, a half-measured one never counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.cells import CELL_FILE, Cell, CellStore, fingerprint, run_cells
+
+
+def writing(text: str, calls: list[str]):
+    def measure(folder):
+        calls.append(text)
+        (folder / "result.txt").write_text(text)
+    return measure
+
+
+def test_a_finished_cell_is_kept_while_its_fingerprint_holds(tmp_path):
+    store, calls = CellStore(tmp_path / "cells"), []
+    cells = [Cell("a", fingerprint(x=1), writing("a1", calls)), Cell("b", fingerprint(x=2), writing("b1", calls))]
+    run_cells(store, cells)
+    first = (store.folder("a") / "result.txt").stat()
+    kept = []
+    run_cells(store, cells, on_kept=lambda cell: kept.append(cell.name))
+    assert calls == ["a1", "b1"] and kept == ["a", "b"]
+    assert (store.folder("a") / "result.txt").stat().st_mtime_ns == first.st_mtime_ns
+    run_cells(store, [Cell("a", fingerprint(x=3), writing("a2", calls)), cells[1]])  # what a read changed
+    assert calls[-1] == "a2" and (store.folder("a") / "result.txt").read_text() == "a2"
+    run_cells(store, cells, remeasure=True)
+    assert calls[-2:] == ["a1", "b1"]
+
+
+def test_a_cell_that_fails_leaves_nothing_and_the_next_run_measures_it(tmp_path):
+    store, calls = CellStore(tmp_path / "cells"), []
+
+    def broken(folder):
+        (folder / "result.txt").write_text("half")
+        raise RuntimeError("server died")
+
+    with pytest.raises(RuntimeError):
+        run_cells(store, [Cell("a", "f", writing("a", calls)), Cell("b", "f", broken)])
+    assert (store.folder("a") / CELL_FILE).is_file() and not store.folder("b").exists()
+    assert [p.name for p in store.root.iterdir()] == ["a"]
+    run_cells(store, [Cell("a", "f", writing("a", calls)), Cell("b", "f", writing("b", calls))])
+    assert calls == ["a", "b"]
+
+
+def test_leftovers_of_a_killed_cell_are_swept_and_a_cell_without_its_record_is_not_finished(tmp_path):
+    root = tmp_path / "cells"
+    (root / ".a.tmp-1234abcd").mkdir(parents=True)
+    (root / "b").mkdir()  # a folder without cell.json: not a finished cell
+    store = CellStore(root)
+    assert not (root / ".a.tmp-1234abcd").exists()
+    assert not store.finished(Cell("b", "f", writing("b", [])))
+
+
+def test_the_stage_links_the_cells_it_used(tmp_path):
+    store = CellStore(tmp_path / "cells")
+    run_cells(store, [Cell("a", "f", writing("a", []))])
+    store.link_into(["a"], tmp_path / "validate" / "cells")
+    linked = tmp_path / "validate" / "cells" / "a"
+    assert sorted(p.name for p in linked.iterdir()) == [CELL_FILE, "result.txt"]
+    assert (linked / "result.txt").stat().st_ino == (store.folder("a") / "result.txt").stat().st_ino
