@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.artifacts import PublishResult, StageManifest, volatile_fields
-from pipeline.layout import MANIFEST
+from pipeline.layout import MANIFEST, RunLayout
 from pipeline.runner import read_manifest
 from tests.conftest import local_hub
 
@@ -141,6 +141,8 @@ class Campaign:
         later = self.stages[self.stages.index(point.stage):]
         for stage in [] if point.force else later[:1] if point.alone else later:
             shutil.rmtree(self.out / stage, ignore_errors=True)
+        if point.stage == "validate" and not point.force:  # and its kept cells: the kill lands while it measures
+            shutil.rmtree(RunLayout(self.out).cells, ignore_errors=True)
         if point.stage == "publish":  # a fresh Hub: the upload happens again, slowly enough to be cut
             self.hub.restart(upload_delay_s=1.5)
             if point.commit_landed:  # the commit lands; its answer would come long after the kill
