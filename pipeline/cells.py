@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.atomic import OWNER_MARK, atomic_directory, make_dirs, sweep_partials
 
 CELL_FILE = "cell.json"
+RESULT_FILE = "result.json"  # a cell's measurements, in the model of the code that measures it
 CELL_SCHEMA = "mxspec.cell/1"
 
 

@@ -33,7 +33,7 @@ from pipeline.artifacts import (
     read_artifact,
     write_artifact,
 )
-from pipeline.cells import Cell, CellStore, fingerprint, reference_cell_name, run_cells
+from pipeline.cells import RESULT_FILE, Cell, CellStore, fingerprint, reference_cell_name, run_cells
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import (
     acceptance_drift,
@@ -159,7 +159,6 @@ class ReferenceCellResult(BaseModel):
 
 
 REFERENCE_CELL_VERSION = 1  # bump when a reference cell measures differently for the same inputs
-RESULT_FILE = "result.json"
 TEXTS_FILE = "texts.safetensors"
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.acceptance import AcceptanceStats
 from pipeline.artifacts import ServedRow, read_artifact, write_artifact
-from pipeline.cells import Cell, CellStore, fingerprint, run_cells, serving_cell_name
+from pipeline.cells import RESULT_FILE, Cell, CellStore, fingerprint, run_cells, serving_cell_name
 from pipeline.recipe import Recipe
 from pipeline.serving.client import Completion, run_requests, scrape_metrics
 from pipeline.serving.server import ServerError, ServerSpec, VllmServer
@@ -90,7 +90,6 @@ class ServedCell(BaseModel):
 
 
 SERVING_CELL_VERSION = 1  # bump when a serving cell measures differently for the same inputs
-RESULT_FILE = "result.json"
 SERVER_LOG = "server.log"
 
 
@@ -160,10 +159,10 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
                  remeasure: bool = False, on_kept=None) -> ServingResult:
     """Every server of the matrix, each a cell: with a `store`, finished cells are read, not served
     again. A server that dies or hangs fails with one line naming its log (under `logs`)."""
-    v = recipe.validation
+    v, servers = recipe.validation, server_matrix(recipe)
     if store is None:
         served = [serve_one(recipe, server, models[server.precision], drafter, prompts,
-                            logs / f"{server.label}.log", progress) for server in server_matrix(recipe)]
+                            logs / f"{server.label}.log", progress) for server in servers]
     else:
         cells = serving_cells(recipe, models, drafter, prompts, logs, digests or {}, progress)
 
@@ -177,9 +176,8 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
         run_cells(store, cells, remeasure=remeasure, on_kept=kept)
         served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again")
                   for cell in cells]
-    result = ServingResult([], {}, {}, [serving_cell_name(s.label) for s in server_matrix(recipe)])
-    for cell in served:
-        server = next(s for s in server_matrix(recipe) if s.label == cell.label)
+    result = ServingResult([], {}, {}, [serving_cell_name(s.label) for s in servers])
+    for server, cell in zip(servers, served, strict=True):
         result.rows += cell.rows
         result.tokens |= {(cell.label, workload): ids for workload, ids in cell.tokens.items()}
         result.per_prompt |= {(workload, server.precision, server.budget): stats
