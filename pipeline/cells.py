@@ -8,22 +8,31 @@ So a validate killed or failed part-way starts again with every finished cell as
 measured again, its files untouched), and a recipe change re-measures only the cells whose
 fingerprint it changes: adding a budget serves only the new servers. The finished stage links the
 cells it used into OUT/validate/cells/ and assembles the report from them.
+
+An executor measures the cells to do: `LocalExecutor` one after another in this process, or
+`pipeline.ray_cells.RayExecutor` as Ray tasks across a cluster. A cell's `measure` reads nothing but
+its workspace (the folders of the cells it comes after) and what it captured (paths on shared
+storage), so it runs the same on either.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.atomic import OWNER_MARK, atomic_directory, make_dirs, sweep_partials
+from pipeline.errors import MxspecError
 
 CELL_FILE = "cell.json"
 RESULT_FILE = "result.json"  # a cell's measurements, in the model of the code that measures it
@@ -54,19 +63,68 @@ class CellRecord(BaseModel):
     fingerprint: str
 
 
+@dataclass
+class CellWorkspace:
+    """What a cell's measurement is given, wherever it runs (this process or a Ray worker)."""
+
+    out: Path  # an empty folder for the cell's result files
+    inputs: dict[str, Path]  # cell name -> folder with that finished cell's files, for each cell in `after`
+    logs: Path  # for logs that must outlive a failed cell (a server's log), named after the cell
+    step: Callable[[], None] = lambda: None  # one of the cell's `steps` is done
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase of the work
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+
 @dataclass(frozen=True)
 class Cell:
     name: str
     fingerprint: str
-    measure: Callable[[Path], None]  # writes the cell's result files into the (empty) folder it is given
-    after: tuple[str, ...] = ()  # cells whose results this one reads
+    measure: Callable[[CellWorkspace], None]  # writes the cell's result files into workspace.out
+    after: tuple[str, ...] = ()  # cells whose results this one reads (workspace.inputs)
+    steps: int = 1  # progress steps the measurement reports
+    gpus: int = 1  # accelerators its work occupies: a server's tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A cell measured by this run: its wall time, the phases within it, and where it ran."""
+
+    seconds: float
+    phases: dict[str, float]
+    where: str
+
+
+class CellEvents:
+    """What an executor reports while it works; the default ignores it all (validate draws progress)."""
+
+    def kept(self, cell: Cell) -> None: ...
+    def started(self, cell: Cell, where: str) -> None: ...
+    def step(self, cell: Cell) -> None: ...
+    def finished(self, cell: Cell, measured: Measured) -> None: ...
+
+
+class CellFailed(MxspecError):
+    """A cell could not be measured; the message names its log when it has one. The exit code is the
+    failure's own (3 for a server that died, 2 for bad input)."""
+
+    def __init__(self, message: str, exit_code: int = 3):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class CellStore:
-    """The finished cells of one run folder."""
+    """The finished cells of one run folder, and the folder where cells keep their logs."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, logs: Path):
         self.root = make_dirs(root, what="cell folder")
+        self.logs = Path(logs)
         sweep_partials(self.root)
 
     def folder(self, name: str) -> Path:
@@ -79,10 +137,11 @@ class CellStore:
             return False
         return record.name == cell.name and record.fingerprint == cell.fingerprint
 
-    def measure(self, cell: Cell) -> Path:
-        """Measure the cell into a temp folder renamed into place: a kill leaves no half cell."""
+    def keep(self, cell: Cell, fill: Callable[[Path], None]) -> Path:
+        """The cell's files, written by `fill` into a temp folder renamed into place with the cell's
+        record: a kill or an error leaves no half cell."""
         with atomic_directory(self.folder(cell.name)) as tmp:
-            cell.measure(tmp)
+            fill(tmp)
             record = CellRecord(name=cell.name, fingerprint=cell.fingerprint)
             (tmp / CELL_FILE).write_text(record.model_dump_json(by_alias=True, indent=2) + "\n")
         return self.folder(cell.name)
@@ -102,15 +161,51 @@ class CellStore:
                     shutil.copy2(path, target)
 
 
-def run_cells(store: CellStore, cells: list[Cell], *, remeasure: bool = False,
-              on_start: Callable[[Cell], None] | None = None, on_kept: Callable[[Cell], None] | None = None) -> None:
-    """Measure every cell not finished with its fingerprint, in order (a cell after those it reads);
-    with `remeasure`, measure every cell again."""
+class Executor(Protocol):
+    def measure(self, store: CellStore, cells: list[Cell], events: CellEvents) -> dict[str, Measured]:
+        """Measure the cells (each after the cells it reads) into the store; raise CellFailed when one fails."""
+        ...
+
+
+class LocalExecutor:
+    """One cell at a time in this process, in order; the first failure stops the study (the cells
+    finished before it are kept)."""
+
+    def measure(self, store: CellStore, cells: list[Cell], events: CellEvents) -> dict[str, Measured]:
+        done = {}
+        make_dirs(store.logs, what="log folder")
+        for cell in cells:
+            events.started(cell, "here")
+            workspace = CellWorkspace(Path(), {name: store.folder(name) for name in cell.after}, store.logs,
+                                      functools.partial(events.step, cell))
+            started = time.perf_counter()
+
+            def fill(tmp: Path, cell=cell, workspace=workspace) -> None:
+                workspace.out = tmp
+                cell.measure(workspace)
+
+            store.keep(cell, fill)
+            done[cell.name] = Measured(time.perf_counter() - started, workspace.seconds, "here")
+            events.finished(cell, done[cell.name])
+        return done
+
+
+def run_cells(store: CellStore, cells: list[Cell], executor: Executor | None = None, *, remeasure: bool = False,
+              events: CellEvents | None = None) -> dict[str, Measured]:
+    """Measure every cell not finished with its fingerprint (with `remeasure`, every cell), a cell after
+    those it reads; returns what this run measured."""
+    events = events or CellEvents()
+    todo = [cell for cell in cells if remeasure or not store.finished(cell)]
     for cell in cells:
-        if not remeasure and store.finished(cell):
-            if on_kept:
-                on_kept(cell)
-            continue
-        if on_start:
-            on_start(cell)
-        store.measure(cell)
+        if cell not in todo:
+            events.kept(cell)
+    return (executor or LocalExecutor()).measure(store, todo, events) if todo else {}
+
+
+def executor_for(cluster) -> Executor:
+    """The executor a recipe's [cluster] section names."""
+    if cluster.executor == "ray":
+        from pipeline.ray_cells import RayExecutor
+
+        return RayExecutor(cluster)
+    return LocalExecutor()

@@ -46,6 +46,30 @@ def options(
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe TOML file, e.g. recipes/reference-cpu.toml", show_default=False)]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="output folder; one subfolder per stage")]
+ExecutorOpt = Annotated[Optional[str], typer.Option(
+    "--executor", help="where validate's cells run: 'local' (one at a time here) or 'ray' (Ray tasks); "
+    "default: the recipe's [cluster] executor", show_default=False)]
+RayAddressOpt = Annotated[Optional[str], typer.Option(
+    "--ray-address", help="Ray cluster to join (implies --executor ray); default: [cluster] address, "
+    "then RAY_ADDRESS, else a local cluster", show_default=False)]
+
+
+def _recipe_on(path: Path, executor: str | None, ray_address: str | None) -> Recipe:
+    """The recipe with the command line's choice of executor; Ray must be importable when it is chosen."""
+    from pipeline.errors import BadInputError
+
+    recipe = load_recipe(path)
+    if executor not in (None, "local", "ray"):
+        raise BadInputError(f"--executor {executor}: choose 'local' or 'ray'")
+    update = {k: v for k, v in {"executor": "ray" if ray_address and not executor else executor,
+                                 "address": ray_address}.items() if v}
+    if update:
+        recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=update)})
+    if recipe.cluster.executor == "ray":
+        from pipeline.ray_cells import import_ray
+
+        import_ray()
+    return recipe
 
 
 def _guarded(command):
@@ -143,6 +167,9 @@ def _recipe_table(path: Path, recipe: Recipe) -> Table:
         "gate": f"max AL drop {recipe.gate.max_acceptance_length_drop}, max position gap {recipe.gate.max_position_gap}, "
         f"inconclusive -> {recipe.gate.on_inconclusive}",
         "serving env": " ".join(f"{k}={v_}" for k, v_ in recipe.serving.env.items()) or "-",
+        "cells run on": "this process" if recipe.cluster.executor == "local" else
+        f"Ray ({recipe.cluster.address or 'RAY_ADDRESS or a local cluster'}), each cell reserving "
+        + ("its server's GPUs" if recipe.cluster.device == "gpu" else f"{recipe.cluster.cpus_per_cell} CPUs"),
         "publish": recipe.publish.repo_id or "-",
     }
     for key, value in rows.items():
@@ -157,6 +184,8 @@ def run(
     out: OutOpt = Path("runs/latest"),
     until: Annotated[Optional[str], typer.Option("--until", help="stop after this stage, e.g. gate (skip publishing)")] = None,
     force: Annotated[list[str], typer.Option("--force", help="redo this stage even if up to date (repeatable)")] = [],
+    executor: ExecutorOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Run every stage in order into OUT, resuming: stages already done are skipped.
 
@@ -165,7 +194,7 @@ def run(
     from pipeline.gate import raise_unless_passed
     from pipeline.stages import run_pipeline
 
-    results = run_pipeline(load_recipe(recipe), out, until=until, force=tuple(force))
+    results = run_pipeline(_recipe_on(recipe, executor, ray_address), out, until=until, force=tuple(force))
     done = ", ".join(f"{r.name} ({'skipped' if r.skipped else 'ran'})" for r in results)
     err.print(f"[green]run complete[/] in {out}: {done}")
     if any(r.name == "gate" for r in results):
@@ -195,12 +224,14 @@ def pair(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 
 @app.command()
 @_guarded
-def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
-    """Measure acceptance (bf16 vs MXFP4) and throughput; write OUT/validate/report.{json,md} and figures."""
+def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest"), executor: ExecutorOpt = None,
+             ray_address: RayAddressOpt = None) -> None:
+    """Measure acceptance (bf16 vs MXFP4) and throughput; write OUT/validate/report.{json,md} and figures.
+    Each server and each reference (precision, workload) is a cell, kept when finished: run again to resume."""
     from pipeline.artifacts import read_validate_report
     from pipeline.stages import run_pipeline
 
-    run_pipeline(load_recipe(recipe), out, until="validate")
+    run_pipeline(_recipe_on(recipe, executor, ray_address), out, until="validate")
     run = RunLayout(out)
     report = read_validate_report(run.report)
     err.print(f"[green]validated[/]: {len(report.drift)} bf16-vs-MXFP4 drift rows -> {run.report_markdown} "

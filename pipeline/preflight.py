@@ -77,6 +77,10 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
     if recipe.validation.prompt_source == "hub" and hub_offline():
         raise BadInputError("validation.prompt_source is 'hub' but HF_HUB_OFFLINE is set; unset it, or set "
                             "prompt_source = \"packaged\" to use the prompt copies shipped in registry packages")
+    if recipe.cluster.executor == "ray":
+        from pipeline.ray_cells import import_ray
+
+        import_ray()  # or one line naming the install command
     calibration = recipe.calibration
     if calibration.dataset == "file" and not Path(calibration.path).is_file():
         raise BadInputError(f"calibration.path: {calibration.path} is not a file; point it at a text file")

@@ -191,6 +191,21 @@ class Plan(_Section):
         {"bf16": 18.0, "mxfp4": 8.7}, description="reference backend, tokens/s per precision (MXFP4 includes the same-text pass)")
 
 
+class Cluster(_Section):
+    """Where validate's cells run (`pipeline.cells`): one at a time in this process, or as Ray tasks.
+
+    Not part of any fingerprint: a cell measures the same wherever it runs."""
+
+    executor: Literal["local", "ray"] = "local"
+    address: str | None = Field(
+        None, description="Ray cluster to join, e.g. 'auto' or 'ray://head:10001'; default RAY_ADDRESS, else a local one")
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="what a cell reserves: its server's tensor_parallel_size GPUs, or cpus_per_cell CPUs")
+    cpus_per_cell: Annotated[int, Field(ge=1)] = 1
+    max_retries: Annotated[int, Field(ge=0, le=10)] = Field(
+        2, description="times Ray runs a cell again whose worker or node died")
+
+
 class Publish(_Section):
     repo_id: str | None = Field(None, description="target Hub repo 'owner/name'; unset = do not publish")
     private: bool = True
@@ -219,6 +234,7 @@ class Recipe(_Section):
     gate: Gate = Gate()
     serving: Serving = Serving()
     plan: Plan = Plan()
+    cluster: Cluster = Cluster()
     publish: Publish = Publish()
 
     @model_validator(mode="after")

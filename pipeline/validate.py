@@ -12,7 +12,6 @@ docs/schemas/validate.schema.json), report.md (the blog's tables) and PNG figure
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -33,7 +32,19 @@ from pipeline.artifacts import (
     read_artifact,
     write_artifact,
 )
-from pipeline.cells import RESULT_FILE, Cell, CellStore, fingerprint, reference_cell_name, run_cells
+from pipeline.cells import (
+    RESULT_FILE,
+    Cell,
+    CellEvents,
+    CellStore,
+    CellWorkspace,
+    Executor,
+    Measured,
+    executor_for,
+    fingerprint,
+    reference_cell_name,
+    run_cells,
+)
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import (
     acceptance_drift,
@@ -128,6 +139,7 @@ class ReferenceMeasurements:
     answers: dict = field(default_factory=dict)  # (workload, precision) -> [Answer]
     seconds: dict = field(default_factory=dict)  # phase -> wall seconds of what this run measured
     cells: list = field(default_factory=list)  # names of the cells these measurements come from
+    measured: dict = field(default_factory=dict)  # cell name -> Measured, for the cells this run measured
 
     def add(self, cell: ReferenceCellResult) -> None:
         w, p = cell.workload, cell.precision
@@ -183,8 +195,7 @@ class _Targets:
 
 
 def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
-                    digests: dict[str, str], store: CellStore, measured: ReferenceMeasurements,
-                    progress=None) -> list[Cell]:
+                    digests: dict[str, str]) -> list[Cell]:
     """One cell per (precision, workload), bf16 first: each MXFP4 cell verifies its workload's bf16 texts.
 
     Each precision writes its own greedy continuations; one target pass over each gives the features
@@ -213,34 +224,31 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
             bf16 = reference_cell_name("bf16", workload) if precision == "mxfp4" and "bf16" in v.precisions else None
             prints[name] = fingerprint(cell=name, target=digests[precision], after=prints.get(bf16), **common)
 
-            def measure(folder: Path, precision=precision, workload=workload, items=items, bf16=bf16) -> None:
+            def measure(work: CellWorkspace, precision=precision, workload=workload, items=items, bf16=bf16) -> None:
                 drafter, tokenizer = tools()
                 target = targets.get(paths[precision], precision)
-                bf16_texts = _read_texts(store.folder(bf16)) if bf16 else None
+                bf16_texts = _read_texts(work.inputs[bf16]) if bf16 else None
                 result = _measure_reference_cell(target, drafter, tokenizer, precision, workload, items, v, bf16_texts,
-                                                 folder, measured, progress)
-                write_artifact(result, folder / RESULT_FILE)
+                                                 work)
+                write_artifact(result, work.out / RESULT_FILE)
 
-            cells.append(Cell(name, prints[name], measure, after=(bf16,) if bf16 else ()))
+            cells.append(Cell(name, prints[name], measure, after=(bf16,) if bf16 else (), steps=len(items)))
     return cells
 
 
 @torch.no_grad()
 def _measure_reference_cell(target, drafter, tokenizer, precision: str, workload: str, items: list[Prompt], v,
-                            bf16_texts: list[_Bf16Text] | None, folder: Path, measured: ReferenceMeasurements,
-                            progress) -> ReferenceCellResult:
+                            bf16_texts: list[_Bf16Text] | None, work: CellWorkspace) -> ReferenceCellResult:
     from safetensors.torch import save_file
 
     own_text: dict[int, list] = {b: [] for b in v.budgets}
     same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts else {}
     answers, fidelity, kept, prompt_lens = [], [], {}, []
-    started = time.perf_counter()
-    runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
-    _add_seconds(measured, f"{precision} own text", started)
+    with work.timed(f"{precision} own text"):
+        runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
     for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, runs)):
-        started = time.perf_counter()
-        own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
-        _add_seconds(measured, f"{precision} own text", started)
+        with work.timed(f"{precision} own text"):
+            own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
         for budget, replay in own.replays.items():
             own_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
         if workload in CHECKABLE and prompt.answer is not None:
@@ -252,16 +260,14 @@ def _measure_reference_cell(target, drafter, tokenizer, precision: str, workload
             prompt_lens.append(prompt_len)
         elif bf16_texts:
             text = bf16_texts[i]
-            started = time.perf_counter()
-            same = replay_pass(target, drafter, text.tokens, text.prompt_len, v.budgets, same_text=True)
-            for budget, replay in same.replays.items():
-                same_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
-            fidelity.append(compare(text.reference, same.logprobs))
-            _add_seconds(measured, f"{precision} on bf16's text", started)
-        if progress:
-            progress()
+            with work.timed(f"{precision} on bf16's text"):
+                same = replay_pass(target, drafter, text.tokens, text.prompt_len, v.budgets, same_text=True)
+                for budget, replay in same.replays.items():
+                    same_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
+                fidelity.append(compare(text.reference, same.logprobs))
+        work.step()
     if kept:
-        save_file(kept, str(folder / TEXTS_FILE))
+        save_file(kept, str(work.out / TEXTS_FILE))
     return ReferenceCellResult(precision=precision, workload=workload, own_text=own_text, answers=answers,
                                same_text=same_text, fidelity=fidelity, prompt_lens=prompt_lens)
 
@@ -277,28 +283,19 @@ def _read_texts(folder: Path) -> list[_Bf16Text]:
 
 
 def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
-                      store: CellStore, digests: dict[str, str], remeasure: bool = False, progress=None,
-                      on_kept=None) -> ReferenceMeasurements:
+                      store: CellStore, digests: dict[str, str], *, remeasure: bool = False,
+                      events: CellEvents | None = None, executor: Executor | None = None) -> ReferenceMeasurements:
     """Reference backend over the recipe's matrix, cell by cell: finished cells are read, not measured."""
     measured = ReferenceMeasurements()
-    cells = reference_cells(recipe, paths, drafter_path, prompts, digests, store, measured, progress)
-
-    def kept(cell: Cell) -> None:
-        if progress:
-            for _ in range(recipe.validation.num_prompts):
-                progress()
-        if on_kept:
-            on_kept(cell)
-
-    run_cells(store, cells, remeasure=remeasure, on_kept=kept)
+    cells = reference_cells(recipe, paths, drafter_path, prompts, digests)
+    measured.measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
     measured.cells = [cell.name for cell in cells]
     for cell in cells:
         measured.add(read_artifact(store.folder(cell.name) / RESULT_FILE, ReferenceCellResult, "run validate again"))
+    for done in measured.measured.values():
+        for phase, seconds in done.phases.items():
+            measured.seconds[phase] = measured.seconds.get(phase, 0.0) + seconds
     return measured
-
-
-def _add_seconds(measured: ReferenceMeasurements, phase: str, started: float) -> None:
-    measured.seconds[phase] = measured.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 def score_answer(tokenizer, prompt: Prompt, tokens: list[int], prompt_len: int) -> Answer:
@@ -383,25 +380,68 @@ class Validated(NamedTuple):
     report: ValidateReport
     seconds: dict[str, float]  # wall time of each reference-backend phase: the manifest's, as it differs run to run
     cells: list[str]  # the cells the report was assembled from
+    measured: dict[str, Measured]  # the cells this run measured (not those kept from earlier runs)
 
 
 @dataclass(frozen=True)
 class CellRun:
-    """Where validate keeps its cells, the digests of what they read, and whether to measure all again."""
+    """Where validate keeps its cells, the digests of what they read, whether to measure all again, and
+    what measures them."""
 
     store: CellStore
     digests: dict[str, str]  # bf16 | mxfp4 | drafter -> digest of that model's files
     remeasure: bool = False
+    executor: Executor | None = None  # default: one cell at a time in this process
+
+
+class CellProgress(CellEvents):
+    """An overall bar over every cell's steps (with an ETA) and one live line per running cell."""
+
+    def __init__(self, progress, total_steps: int):
+        self.progress, self.lines = progress, {}
+        self.overall = progress.add_task("validate cells", total=total_steps)
+
+    def kept(self, cell: Cell) -> None:
+        self.progress.advance(self.overall, cell.steps)
+        self.progress.console.print(f"  {cell.name}: measured earlier (kept)")
+
+    def started(self, cell: Cell, where: str) -> None:
+        if cell.name in self.lines:  # a Ray task started again after its worker died
+            self.progress.reset(self.lines[cell.name])
+        else:
+            label = cell.name if where == "here" else f"{cell.name} on {where}"
+            self.lines[cell.name] = self.progress.add_task(f"  {label}", total=cell.steps)
+
+    def step(self, cell: Cell) -> None:
+        if cell.name in self.lines:
+            self.progress.advance(self.lines[cell.name])
+        self.progress.advance(self.overall)
+
+    def finished(self, cell: Cell, measured: Measured) -> None:
+        line = self.lines.pop(cell.name, None)
+        if line is not None:
+            done = self.progress.tasks[[t.id for t in self.progress.tasks].index(line)].completed
+            self.progress.advance(self.overall, max(cell.steps - done, 0))  # steps a remote worker did not report
+            self.progress.remove_task(line)
+        where = "" if measured.where == "here" else f" on {measured.where}"
+        self.progress.console.print(f"  {cell.name}: measured in {measured.seconds:.0f} s{where}")
 
 
 def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_path: Path, logs: Path,
              console=None, cells: CellRun | None = None) -> Validated:
     """The validate stage's work, cell by cell: acceptance (reference backend, or vLLM's served counters
     per prompt) and, with the vLLM backend, the serving study. Without `cells`, every cell is measured
-    into a scratch folder."""
+    into a scratch folder, in this process."""
     import tempfile
 
-    from rich.progress import Progress
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from pipeline.versions import tool_versions
 
@@ -409,23 +449,24 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     prompts = {w: load_prompts(w, v.num_prompts, v.seed, v.prompt_source) for w in v.workloads}
     paths = {"bf16": Path(target_path), "mxfp4": Path(quantized_path)}
     per_prompt, serving, reference = {}, None, None
-    with tempfile.TemporaryDirectory(prefix="mxspec-cells-") as scratch, Progress(console=console, transient=False) as progress:
-        cells = cells or CellRun(CellStore(Path(scratch)), {"bf16": "", "mxfp4": "", "drafter": ""})
-
-        def kept(cell: Cell) -> None:
-            progress.console.print(f"  {cell.name}: measured earlier (kept)")
-
-        if "reference" in v.backends:
-            task = progress.add_task("reference acceptance", total=len(v.precisions) * len(v.workloads) * v.num_prompts)
-            reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
-                                          cells.remeasure, lambda: progress.advance(task), kept)
-            per_prompt = reference.own_text
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
+    with tempfile.TemporaryDirectory(prefix="mxspec-cells-") as scratch, \
+            Progress(*columns, console=console, transient=False) as progress:
+        cells = cells or CellRun(CellStore(Path(scratch), logs), {"bf16": "", "mxfp4": "", "drafter": ""})
+        steps = len(v.precisions) * len(v.workloads) * v.num_prompts if "reference" in v.backends else 0
         if "vllm" in v.backends:
             from pipeline.serving.benchmark import serve_matrix, server_matrix
 
-            task = progress.add_task("vLLM servers", total=len(server_matrix(recipe)) * len(v.workloads) * len(v.concurrency))
-            serving = serve_matrix(recipe, paths, drafter_path, prompts, logs, lambda: progress.advance(task),
-                                   cells.store, cells.digests, cells.remeasure, kept)
+            steps += len(server_matrix(recipe)) * len(v.workloads) * len(v.concurrency)
+        events = CellProgress(progress, steps)
+        if "reference" in v.backends:
+            reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
+                                          remeasure=cells.remeasure, events=events, executor=cells.executor)
+            per_prompt = reference.own_text
+        if "vllm" in v.backends:
+            serving = serve_matrix(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
+                                   remeasure=cells.remeasure, events=events, executor=cells.executor)
             if "reference" not in v.backends:
                 per_prompt = serving.per_prompt
     meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
@@ -435,7 +476,8 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     if serving is not None:
         report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
     names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])
-    return Validated(report, dict(reference.seconds) if reference is not None else {}, names)
+    measured = (reference.measured if reference is not None else {}) | (serving.measured if serving is not None else {})
+    return Validated(report, dict(reference.seconds) if reference is not None else {}, names, measured)
 
 
 def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
@@ -463,9 +505,10 @@ class ValidateStage:
         inputs = read_manifest(ctx.stage_dir("resolve")).outputs
         digests = {"bf16": inputs[resolved_file("target")], "drafter": inputs[resolved_file("drafter")],
                    "mxfp4": fingerprint(**read_manifest(ctx.stage_dir("quantize")).outputs)}
-        cells = CellRun(CellStore(ctx.run.cells), digests, remeasure=self.name in ctx.force)
-        report, seconds, names = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
-                                          Path(resolved["drafter"].path), ctx.run.server_logs, ctx.console, cells)
+        cells = CellRun(CellStore(ctx.run.cells, ctx.run.server_logs), digests, remeasure=self.name in ctx.force,
+                        executor=executor_for(ctx.recipe.cluster))
+        report, seconds, names, measured = validate(ctx.recipe, Path(resolved["target"].path), ctx.run.checkpoint,
+                                                    Path(resolved["drafter"].path), ctx.run.server_logs, ctx.console, cells)
         cells.store.link_into(names, workdir / CELLS)
         write_artifact(report, workdir / REPORT_FILE)
         (workdir / REPORT_MARKDOWN).write_text(report_markdown(report))
@@ -474,4 +517,5 @@ class ValidateStage:
             ctx.console.print("  reference backend: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in seconds.items()))
         ctx.console.print(f"  {len(report.drift)} drift rows, {len(report.same_text_drift)} same-text rows, "
                           f"{len(report.fidelity)} fidelity rows")
-        return {f"reference: {phase} (s)": round(s, 1) for phase, s in seconds.items()}
+        return {f"reference: {phase} (s)": round(s, 1) for phase, s in seconds.items()} | \
+            {f"cell {name} (s)": round(m.seconds, 1) for name, m in measured.items()}

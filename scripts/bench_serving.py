@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from transformers import AutoTokenizer
 
 from pipeline.acceptance import AcceptanceStats
 from pipeline.atomic import atomic_write_text
+from pipeline.cells import CellStore
 from pipeline.dflash import DFlashDrafter
 from pipeline.layout import CHECKPOINT
 from pipeline.recipe import load_recipe
@@ -79,7 +81,8 @@ def main() -> None:
     drafter_path = Path(resolved["drafter"].path)
     prompts = load_prompts(WORKLOAD, args.prompts, validation.seed)
 
-    serving = serve_matrix(recipe, paths, drafter_path, {WORKLOAD: prompts}, args.out / "logs")
+    with tempfile.TemporaryDirectory(prefix="bench-cells-") as cells:  # a benchmark measures every server anew
+        serving = serve_matrix(recipe, paths, drafter_path, {WORKLOAD: prompts}, CellStore(Path(cells), args.out / "logs"))
     rows = {(r.precision, r.method): r for r in serving.rows}
 
     tokenizer = AutoTokenizer.from_pretrained(paths["bf16"])

@@ -65,3 +65,17 @@ def tiny() -> Path:
     """Tiny random Qwen3.5 dense (with vision) and MoE checkpoints + drafters, built by `make`."""
     assert (TINY / "qwen3.5-tiny" / "config.json").is_file(), "tiny models missing: run `make install`"
     return TINY
+
+
+def tiny_reference_recipe(folder: Path, tiny: Path, extra: str = "") -> Path:
+    """folder/recipe.toml: the tiny Qwen3.5 pair through the reference backend, 2 workloads x 2 precisions
+    (4 cells), a few seconds a cell."""
+    path = folder / "recipe.toml"
+    path.write_text(
+        f'name = "tiny-validate"\n[target]\npath = "{tiny / "qwen3.5-tiny"}"\n'
+        f'[drafter]\npath = "{tiny / "qwen3.5-tiny-dflash"}"\n'
+        "[quantization]\nmode = 'in_memory'\n"
+        "[validation]\nworkloads = ['gsm8k', 'humaneval']\nbudgets = [4, 8]\nmethods = ['ar', 'dflash']\n"
+        "backends = ['reference']\nnum_prompts = 3\nmax_tokens = 12\n" + extra
+    )
+    return path

@@ -55,3 +55,24 @@ def test_traceback_switch_shows_the_cause_of_an_mxspec_error(mxspec, tmp_path):
     assert loud.returncode == 2
     assert "JSONDecodeError" in loud.stderr and "direct cause of the following exception" in loud.stderr
     assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip().splitlines()[-1]
+
+
+def test_the_ray_executor_without_ray_installed_is_one_line_naming_the_install(tmp_path):
+    """Ray is an optional extra: choosing it without Ray fails before any stage, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    hide_ray = "import sys; sys.modules['ray'] = None; from pipeline.cli import main; main()"
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", hide_ray, "run", str(RECIPES / "reference-cpu.toml"), "--executor", "ray",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: the ray executor needs Ray, which is not installed; pip install 'ray==2.60.0' (or `pip install -e "
+        "'.[ray]'` in a checkout), or use the local executor (--executor local)"]
+    assert not out.exists()
+
+
+def test_an_executor_that_does_not_exist_is_bad_input(mxspec, tmp_path):
+    result = mxspec("run", RECIPES / "reference-cpu.toml", "--executor", "slurm", "--out", tmp_path / "out")
+    assert result.returncode == 2 and "--executor slurm: choose 'local' or 'ray'" in result.stderr

@@ -82,7 +82,7 @@ def test_the_prompt_source_is_part_of_validates_fingerprint_only(tmp_path):
         ("[validation]\nbudgets = [1]\n", "validation.budgets", "greater than or equal to 2"),
         ("[validation]\nworkloads = ['gsm9k']\n", "validation.workloads", "gsm8k"),
         ("[serving]\ngpu_memory_utilization = 1.5\n", "serving.gpu_memory_utilization", "less than or equal to 1"),
-        ("colour = 'red'\n", "colour", "known keys"),
+        ("flavour = 'red'\n", "flavour", "known keys"),
     ],
 )
 def test_each_mistake_is_one_line_naming_the_key(tmp_path, extra, key, words):

@@ -11,6 +11,7 @@ import pytest
 from pipeline.artifacts import VALIDATE_SCHEMA, ValidateReport
 from pipeline.recipe import load_recipe
 from pipeline.stages import run_pipeline
+from tests.conftest import tiny_reference_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -18,14 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, tiny):
     folder = tmp_path_factory.mktemp("validate")
-    (folder / "recipe.toml").write_text(
-        f'name = "tiny-validate"\n[target]\npath = "{tiny / "qwen3.5-tiny"}"\n'
-        f'[drafter]\npath = "{tiny / "qwen3.5-tiny-dflash"}"\n'
-        "[quantization]\nmode = 'in_memory'\n"
-        "[validation]\nworkloads = ['gsm8k', 'humaneval']\nbudgets = [4, 8]\nmethods = ['ar', 'dflash']\n"
-        "backends = ['reference']\nnum_prompts = 3\nmax_tokens = 12\n"
-    )
-    run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out")
+    run_pipeline(load_recipe(tiny_reference_recipe(folder, tiny)), folder / "out")
     return folder / "out" / "validate"
 
 
@@ -119,8 +113,9 @@ def test_redone_validate_writes_the_same_bytes_and_keeps_its_wall_times_in_the_m
     again = read_manifest(report)
     assert again.started_at != first.started_at
     assert again.outputs == first.outputs
+    cells = {f"cell reference-{p}-{w} (s)" for p in ("bf16", "mxfp4") for w in ("gsm8k", "humaneval")}
     assert set(again.measured) == {"reference: bf16 own text (s)", "reference: mxfp4 own text (s)",
-                                   "reference: mxfp4 on bf16's text (s)"}
+                                   "reference: mxfp4 on bf16's text (s)"} | cells
     assert all(seconds >= 0 for seconds in again.measured.values())
 
 

@@ -32,7 +32,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.acceptance import AcceptanceStats
 from pipeline.artifacts import ServedRow, read_artifact, write_artifact
-from pipeline.cells import RESULT_FILE, Cell, CellStore, fingerprint, run_cells, serving_cell_name
+from pipeline.cells import (
+    RESULT_FILE,
+    Cell,
+    CellEvents,
+    CellStore,
+    CellWorkspace,
+    Executor,
+    Measured,
+    fingerprint,
+    run_cells,
+    serving_cell_name,
+)
 from pipeline.recipe import Recipe
 from pipeline.serving.client import Completion, run_requests, scrape_metrics
 from pipeline.serving.server import ServerError, ServerSpec, VllmServer
@@ -74,6 +85,7 @@ class ServingResult:
     tokens: dict[tuple[str, str], list]  # (server label, workload) -> greedy token ids per prompt
     per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]]  # (workload, precision, budget), DFlash at c=1
     cells: list[str] = field(default_factory=list)  # names of the cells the rows come from
+    measured: dict[str, Measured] = field(default_factory=dict)  # the cells this run measured
 
 
 class ServedCell(BaseModel):
@@ -128,7 +140,7 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
 
 
 def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts: dict[str, list[Prompt]],
-                  logs: Path, digests: dict[str, str], progress=None) -> list[Cell]:
+                  digests: dict[str, str]) -> list[Cell]:
     """One cell per server. A cell's fingerprint names what its measurement depends on: its model (and
     the drafter for DFlash), the prompts and request settings, the server settings and the serving
     stack's versions; not the other servers (adding a budget measures only the new servers)."""
@@ -144,39 +156,27 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
         print_ = fingerprint(cell=name, model=digests[server.precision],
                              drafter=digests["drafter"] if server.method == "dflash" else None, **common)
 
-        def measure(folder: Path, server=server) -> None:
-            log = logs / f"{server.label}.log"
-            result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, progress)
-            write_artifact(result, folder / RESULT_FILE)
-            shutil.copyfile(log, folder / SERVER_LOG)
+        def measure(work: CellWorkspace, server=server) -> None:
+            log = work.logs / f"{server.label}.log"
+            result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, work.step)
+            write_artifact(result, work.out / RESULT_FILE)
+            shutil.copyfile(log, work.out / SERVER_LOG)
 
-        cells.append(Cell(name, print_, measure))
+        cells.append(Cell(name, print_, measure, steps=len(v.workloads) * len(v.concurrency),
+                          gpus=s.tensor_parallel_size))
     return cells
 
 
 def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts: dict[str, list[Prompt]],
-                 logs: Path, progress=None, store: CellStore | None = None, digests: dict[str, str] | None = None,
-                 remeasure: bool = False, on_kept=None) -> ServingResult:
-    """Every server of the matrix, each a cell: with a `store`, finished cells are read, not served
-    again. A server that dies or hangs fails with one line naming its log (under `logs`)."""
+                 store: CellStore, digests: dict[str, str] | None = None, *, remeasure: bool = False,
+                 events: CellEvents | None = None, executor: Executor | None = None) -> ServingResult:
+    """Every server of the matrix, each a cell kept in `store`: finished cells are read, not served
+    again. A server that dies or hangs fails with one line naming its log (under `store.logs`)."""
     v, servers = recipe.validation, server_matrix(recipe)
-    if store is None:
-        served = [serve_one(recipe, server, models[server.precision], drafter, prompts,
-                            logs / f"{server.label}.log", progress) for server in servers]
-    else:
-        cells = serving_cells(recipe, models, drafter, prompts, logs, digests or {}, progress)
-
-        def kept(cell: Cell) -> None:
-            if progress:
-                for _ in range(len(v.workloads) * len(v.concurrency)):
-                    progress()
-            if on_kept:
-                on_kept(cell)
-
-        run_cells(store, cells, remeasure=remeasure, on_kept=kept)
-        served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again")
-                  for cell in cells]
-    result = ServingResult([], {}, {}, [serving_cell_name(s.label) for s in servers])
+    cells = serving_cells(recipe, models, drafter, prompts, digests or dict.fromkeys(("bf16", "mxfp4", "drafter"), ""))
+    measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
+    served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again") for cell in cells]
+    result = ServingResult([], {}, {}, [cell.name for cell in cells], measured)
     for server, cell in zip(servers, served, strict=True):
         result.rows += cell.rows
         result.tokens |= {(cell.label, workload): ids for workload, ids in cell.tokens.items()}

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline.acceptance import AcceptanceStats
+from pipeline.cells import CellStore
 from pipeline.dflash import DFlashDrafter
 from pipeline.recipe import load_recipe
 from pipeline.serving.benchmark import ServerCell, serve_matrix, server_matrix, server_spec
@@ -66,7 +67,8 @@ def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the
     recipe = recipe.model_copy(update={"validation": validation})
     prompts = load_prompts("gsm8k", validation.num_prompts, validation.seed)
 
-    served = serve_matrix(recipe, {"bf16": reference_target}, REFERENCE_DRAFTER, {"gsm8k": prompts}, tmp_path / "logs")
+    served = serve_matrix(recipe, {"bf16": reference_target}, REFERENCE_DRAFTER, {"gsm8k": prompts},
+                          CellStore(tmp_path / "cells", tmp_path / "logs"))
 
     target = load_target(reference_target, "bf16")
     drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER, dtype=torch.float32)

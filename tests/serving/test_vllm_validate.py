@@ -91,6 +91,26 @@ def test_report_has_the_serving_tables_and_figures(served):
         {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", f"dflash-b{BUDGET}")}
 
 
+def test_a_serving_cell_runs_through_the_ray_executor(served, tmp_path):
+    """One server of the matrix as a Ray task on a local cluster: it serves on the worker's loopback,
+    its greedy tokens equal the local executor's for the same server, and its log comes back."""
+    import shutil
+
+    _, local = served
+    out = tmp_path / "out"
+    shutil.copytree(local, out, ignore=shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock"))
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', methods='["ar"]', precisions='["mxfp4"]')
+                      + "\n[cluster]\nexecutor = 'ray'\ndevice = 'cpu'\ncpus_per_cell = 2\n")
+    run_pipeline(load_recipe(recipe), out, until="validate")
+    cell = "serve-mxfp4-ar"
+    on_ray = json.loads((out / ".mxspec" / "cells" / cell / "result.json").read_text())
+    here = json.loads((local / ".mxspec" / "cells" / cell / "result.json").read_text())
+    assert on_ray["tokens"] == here["tokens"] and on_ray["rows"][0]["throughput_tok_s"] > 0
+    assert "POST /v1/chat/completions" in (out / ".mxspec" / "logs" / "servers" / "mxfp4-ar.log").read_text()
+    assert (out / "validate" / "cells" / cell / "server.log").is_file()
+
+
 def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path, reference_target):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', methods='["ar", "dflash"]',

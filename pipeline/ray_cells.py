@@ -1,0 +1,224 @@
+"""Validate's cells as Ray tasks: a cluster measures as many cells at once as it has GPUs for.
+
+Each cell to measure becomes one Ray task that reserves what its work occupies (`Cell.gpus` GPUs, a
+server's tensor_parallel_size, or `cpus_per_cell` CPUs on a CPU-only cluster). The task runs the
+cell's `measure` on the worker's node, in a temp folder there: a vLLM server binds that node's
+loopback, and models are read from the paths the recipe names, so every node needs them at the same
+path (shared storage or a shared Hub cache). The cell's result files and logs come back to the driver
+as bytes and are kept there (`CellStore.keep`), so OUT need not be shared. A cell that reads another
+(the MXFP4 reference cell reads bf16's texts) is submitted once that one is kept, with its files.
+
+A task whose worker or node dies is run again by Ray, up to `[cluster] max_retries` times. A cell that
+still fails, or whose measurement raises, is reported with its log while the other cells finish and
+are kept; the study then fails with one line and a rerun measures only what is missing. Ctrl-C
+cancels every task (a cancelled worker's server dies with it, `pipeline.serving.watchdog`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.atomic import OWNER_MARK
+from pipeline.cells import Cell, CellEvents, CellFailed, CellStore, CellWorkspace, Measured
+from pipeline.errors import BadInputError, ExternalError, MxspecError
+from pipeline.recipe import Cluster
+
+INSTALL = "pip install 'ray==2.60.0' (or `pip install -e '.[ray]'` in a checkout)"
+LOGS_HERE = "<cell logs>"  # stands for the worker's log folder in a failure message, until the driver names its own
+POLL_S = 0.5
+
+
+def import_ray():
+    """Ray, or one line saying how to install it (Ray is an optional extra of mxspec)."""
+    try:
+        import ray
+    except ImportError:
+        raise BadInputError(f"the ray executor needs Ray, which is not installed; {INSTALL}, "
+                            "or use the local executor (--executor local)") from None
+    return ray
+
+
+@dataclass
+class WorkerResult:
+    """What a task sends back: the cell's files and logs as bytes, and how it went."""
+
+    where: str
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+    logs: dict[str, bytes] = field(default_factory=dict)
+    error: str | None = None
+    exit_code: int = 3
+
+
+class RayExecutor:
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    def measure(self, store: CellStore, cells: list[Cell], events: CellEvents) -> dict[str, Measured]:
+        ray = import_ray()
+        started_here = self._connect(ray)
+        try:
+            self._check_resources(ray, cells)
+            return _Study(ray, self.cluster, store, cells, events).run()
+        finally:
+            if started_here:
+                ray.shutdown()
+
+    def _connect(self, ray) -> bool:
+        """Join the cluster the recipe or RAY_ADDRESS names, or start a local one; True if started here."""
+        if ray.is_initialized():
+            return False
+        address = self.cluster.address or os.environ.get("RAY_ADDRESS") or None
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+            raise ExternalError(f"cannot start or join {where}: {str(exc).splitlines()[0][:200]}; "
+                                "check [cluster] address or RAY_ADDRESS, and `ray status` on the head node") from None
+        return True
+
+    def _check_resources(self, ray, cells: list[Cell]) -> None:
+        """A cell no node can hold would wait forever: say so now."""
+        total = ray.cluster_resources()
+        for cell in cells:
+            need, unit = self._reservation(cell)
+            have = total.get("GPU" if "num_gpus" in need else "CPU", 0)
+            wanted = need.get("num_gpus", need.get("num_cpus"))
+            if wanted > have:
+                hint = ("set [cluster] device = \"cpu\" on a cluster without GPUs" if unit == "GPU"
+                        else "lower [cluster] cpus_per_cell")
+                raise BadInputError(f"cell {cell.name} needs {wanted:g} {unit}s but the Ray cluster has {have:g}; {hint}")
+
+    def _reservation(self, cell: Cell) -> tuple[dict, str]:
+        if self.cluster.device == "gpu":
+            return {"num_gpus": cell.gpus, "num_cpus": 1}, "GPU"
+        return {"num_cpus": self.cluster.cpus_per_cell}, "CPU"
+
+
+class _Study:
+    """One executor call: submit each cell once the cells it reads are kept, keep what comes back."""
+
+    def __init__(self, ray, cluster: Cluster, store: CellStore, cells: list[Cell], events: CellEvents):
+        from ray.util.queue import Queue
+
+        self.ray, self.cluster, self.store, self.events = ray, cluster, store, events
+        self.waiting = list(cells)
+        self.todo = {cell.name for cell in cells}
+        self.pending: dict = {}  # ObjectRef -> (cell, submitted at)
+        self.done: dict[str, Measured] = {}
+        self.failed: dict[str, CellFailed] = {}
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self.remote = ray.remote(_measure_on_worker)
+
+    def run(self) -> dict[str, Measured]:
+        try:
+            while self.waiting or self.pending:
+                self._submit_ready()
+                ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=POLL_S) if self.pending else ([], [])
+                self._drain_events()
+                for ref in ready:
+                    self._collect(ref)
+        except KeyboardInterrupt:
+            for ref in self.pending:
+                self.ray.cancel(ref, force=True)
+            raise
+        finally:
+            self.ray.kill(self.queue.actor)
+        if self.failed:
+            first = next(iter(self.failed.values()))
+            more = f" ({len(self.failed) - 1} more failed: {', '.join(list(self.failed)[1:])})" if len(self.failed) > 1 else ""
+            raise CellFailed(f"{first}{more}; the {len(self.done)} cells measured were kept, run again to measure the rest",
+                             first.exit_code)
+        return self.done
+
+    def _submit_ready(self) -> None:
+        for cell in list(self.waiting):
+            blocked = [name for name in cell.after if name in self.failed]
+            if blocked:
+                self.waiting.remove(cell)
+                self.failed[cell.name] = CellFailed(f"cell {cell.name} not measured: it reads {blocked[0]}, which failed")
+                continue
+            if any(name in self.todo and name not in self.done for name in cell.after):
+                continue  # what it reads is still being measured
+            self.waiting.remove(cell)
+            inputs = {name: _read_tree(self.store.folder(name)) for name in cell.after}
+            need, _ = RayExecutor(self.cluster)._reservation(cell)
+            ref = self.remote.options(name=cell.name, max_retries=self.cluster.max_retries, **need).remote(
+                cell.name, cell.measure, inputs, self.queue)
+            self.pending[ref] = (cell, time.perf_counter())
+
+    def _drain_events(self) -> None:
+        cells = {cell.name: cell for cell, _ in self.pending.values()}
+        while not self.queue.empty():
+            kind, name, detail = self.queue.get_nowait()
+            if name in cells:
+                (self.events.started(cells[name], detail) if kind == "started" else self.events.step(cells[name]))
+
+    def _collect(self, ref) -> None:
+        cell, submitted = self.pending.pop(ref)
+        try:
+            result: WorkerResult = self.ray.get(ref)
+        except self.ray.exceptions.TaskCancelledError:
+            raise KeyboardInterrupt from None
+        except self.ray.exceptions.RayError as exc:  # the worker or its node died on every try
+            self.failed[cell.name] = CellFailed(
+                f"cell {cell.name}: its Ray task failed {self.cluster.max_retries + 1} times "
+                f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})")
+            return
+        for name, data in result.logs.items():  # kept whether or not the cell finished
+            path = self.store.logs / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        if result.error is not None:
+            message = result.error.replace(LOGS_HERE, str(self.store.logs))
+            self.failed[cell.name] = CellFailed(f"cell {cell.name} failed on {result.where}: {message}", result.exit_code)
+            return
+        self.store.keep(cell, lambda tmp: _write_tree(tmp, result.files))
+        self.done[cell.name] = Measured(result.seconds, result.phases, result.where)
+        self.events.finished(cell, self.done[cell.name])
+
+
+def _measure_on_worker(name: str, measure, inputs: dict[str, dict[str, bytes]], queue) -> WorkerResult:
+    """Runs on a Ray worker: the cell's measurement in a temp folder of this node, its files returned."""
+    import ray
+
+    context = ray.get_runtime_context()
+    where = f"node {context.get_node_id()[:8]} ({ray.util.get_node_ip_address()})"
+    queue.put(("started", name, where))
+    with tempfile.TemporaryDirectory(prefix=f"mxspec-{name}-") as tmp:
+        root = Path(tmp)
+        for dep, files in inputs.items():
+            _write_tree(root / "inputs" / dep, files)
+        workspace = CellWorkspace(root / "out", {dep: root / "inputs" / dep for dep in inputs}, root / "logs",
+                                  lambda: queue.put(("step", name, None)))
+        workspace.out.mkdir()
+        workspace.logs.mkdir()
+        result = WorkerResult(where)
+        started = time.perf_counter()
+        try:
+            measure(workspace)
+            result.files = _read_tree(workspace.out)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver in one line, with its exit code
+            text = str(exc) if isinstance(exc, MxspecError) else f"{exc.__class__.__name__}: {exc}"
+            result.error = text.replace(str(workspace.logs), LOGS_HERE)
+            result.exit_code = exc.exit_code if isinstance(exc, MxspecError) else 3
+        result.seconds, result.phases = time.perf_counter() - started, dict(workspace.seconds)
+        result.logs = _read_tree(workspace.logs)
+    return result
+
+
+def _read_tree(folder: Path) -> dict[str, bytes]:
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(Path(folder).rglob("*"))
+            if path.is_file() and path.name != OWNER_MARK}
+
+
+def _write_tree(folder: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        path = Path(folder) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
