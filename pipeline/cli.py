@@ -169,7 +169,8 @@ def _recipe_table(path: Path, recipe: Recipe) -> Table:
         "serving env": " ".join(f"{k}={v_}" for k, v_ in recipe.serving.env.items()) or "-",
         "cells run on": "this process" if recipe.cluster.executor == "local" else
         f"Ray ({recipe.cluster.address or 'RAY_ADDRESS or a local cluster'}), each cell reserving "
-        + ("its server's GPUs" if recipe.cluster.device == "gpu" else f"{recipe.cluster.cpus_per_cell} CPUs"),
+        + {"gpu": "its server's GPUs", "cpu": f"{recipe.cluster.cpus_per_cell} CPUs",
+           "auto": f"its server's GPUs (or {recipe.cluster.cpus_per_cell} CPUs on a cluster without GPUs)"}[recipe.cluster.device],
         "publish": recipe.publish.repo_id or "-",
     }
     for key, value in rows.items():

@@ -134,43 +134,58 @@ def _plan_shard(header: dict[str, tuple[tuple[int, ...], str]], order: list[str]
     return entries, work
 
 
-def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modules: set[str]) -> dict[str, str]:
-    """Quantize every shard of `source` into `out`; returns the weight map. Peak memory: ~one tensor."""
-    from quark.torch.quantization.file2file_quantization import (
-        _export_quant_config,
-        _single_stage_quantize_weight,
-    )
+def quantize_shard(source: Path, out: Path, shard: str, weight_config, quantized_modules: set[str]) -> dict[str, str]:
+    """Quantize one shard of `source` into out/shard, tensor by tensor; returns its part of the weight map."""
+    from quark.torch.quantization.file2file_quantization import _single_stage_quantize_weight
+
+    weight_map: dict[str, str] = {}
+    handle = ShardReader(source / shard)
+    try:
+        header = {name: (handle.shape(name), handle.dtype(name)) for name in handle.header}
+        order = sorted(header)  # deterministic output order
+        entries, work = _plan_shard(header, order, quantized_modules)
+        writer = StreamingSafetensorsWriter(out / shard, entries)
+        cached_name, cached = None, None  # a fused expert tensor feeds many work items
+        for source_name, expert, kind, out_name in work:
+            if source_name != cached_name:
+                cached_name, cached = source_name, handle.get(source_name)
+            tensor = cached
+            if expert is not None:
+                tensor = expert_slice(tensor, expert, kind).contiguous()
+            if out_name.removesuffix(".weight") in quantized_modules:
+                produced: dict[str, torch.Tensor] = {}
+                _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
+                                              weight_config, produced, shard)
+                writer.write(out_name, produced[out_name])
+                writer.write(out_name + "_scale", produced[out_name + "_scale"])
+                weight_map[out_name + "_scale"] = shard
+            else:
+                writer.write(out_name, tensor)
+            weight_map[out_name] = shard
+        writer.close()
+    finally:
+        handle.close()
+    return weight_map
+
+
+def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modules: set[str],
+                          cluster=None) -> dict[str, str]:
+    """Quantize every shard of `source` into `out`; returns the weight map. Peak memory: ~one tensor.
+
+    With a Ray `cluster` ([cluster] executor = "ray"), each shard is a Ray task writing its output shard
+    into `out`, which every node must see (shared storage); the bytes are the same as shard by shard here."""
+    from quark.torch.quantization.file2file_quantization import _export_quant_config
 
     weight_config = quant_config.global_quant_config.weight
-    weight_map: dict[str, str] = {}
-    for shard in shard_files(source):
-        handle = ShardReader(source / shard)
-        try:
-            header = {name: (handle.shape(name), handle.dtype(name)) for name in handle.header}
-            order = sorted(header)  # deterministic output order
-            entries, work = _plan_shard(header, order, quantized_modules)
-            writer = StreamingSafetensorsWriter(out / shard, entries)
-            cached_name, cached = None, None  # a fused expert tensor feeds many work items
-            for source_name, expert, kind, out_name in work:
-                if source_name != cached_name:
-                    cached_name, cached = source_name, handle.get(source_name)
-                tensor = cached
-                if expert is not None:
-                    tensor = expert_slice(tensor, expert, kind).contiguous()
-                if out_name.removesuffix(".weight") in quantized_modules:
-                    produced: dict[str, torch.Tensor] = {}
-                    _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
-                                                  weight_config, produced, shard)
-                    writer.write(out_name, produced[out_name])
-                    writer.write(out_name + "_scale", produced[out_name + "_scale"])
-                    weight_map[out_name + "_scale"] = shard
-                else:
-                    writer.write(out_name, tensor)
-                weight_map[out_name] = shard
-            writer.close()
-            cached = None
-        finally:
-            handle.close()
+    shards = shard_files(source)
+    jobs = [(source, out, shard, weight_config, quantized_modules) for shard in shards]
+    if cluster is not None and cluster.executor == "ray":
+        from pipeline.ray_cells import map_on_ray
+
+        parts = map_on_ray(cluster, quantize_shard, jobs, names=[f"quantize-{shard}" for shard in shards])
+    else:
+        parts = [quantize_shard(*job) for job in jobs]
+    weight_map = {name: shard for part in parts for name, shard in part.items()}
     copy_side_files(source, out, overwrite=True)
     write_index(out, weight_map)
     _export_quant_config(json.loads((source / "config.json").read_text()), quant_config, str(out))

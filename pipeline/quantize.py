@@ -38,7 +38,7 @@ from pipeline.exclusions import (
     excluded_layers,
 )
 from pipeline.layout import CHECKPOINT, QUANTIZE_REPORT
-from pipeline.recipe import Calibration, Quantization
+from pipeline.recipe import Calibration, Cluster, Quantization
 from pipeline.runner import StageContext
 
 # Quark model templates by config model_type; text-only variants use their family's template.
@@ -129,11 +129,11 @@ def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None
     )
 
 
-def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patterns: list[str]) -> None:
+def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patterns: list[str], cluster=None) -> None:
     from pipeline.file_to_file import quantize_file_to_file
 
     layers = checkpoint.linear_layers()
-    quantize_file_to_file(checkpoint.folder, out, quant_config, set(layers) - excluded_layers(layers, patterns))
+    quantize_file_to_file(checkpoint.folder, out, quant_config, set(layers) - excluded_layers(layers, patterns), cluster)
 
 
 def _carry_over(source: Checkpoint, out: Path) -> int:
@@ -259,8 +259,10 @@ def logit_agreement(source: Path, out: Path, windows) -> dict:
     }
 
 
-def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration: Calibration | None = None) -> QuantizeSummary:
-    """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary."""
+def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration: Calibration | None = None,
+                        cluster: Cluster | None = None) -> QuantizeSummary:
+    """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary. In
+    file-to-file mode a Ray `cluster` quantizes the shards as Ray tasks (same bytes)."""
     checkpoint = read_checkpoint(source)
     patterns = plan_exclusions(checkpoint, spec)
     mode = choose_mode(spec, checkpoint)
@@ -271,7 +273,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
         if mode == "in_memory":
             _quantize_in_memory(checkpoint, out, quant_config)
         else:
-            _quantize_file_to_file(checkpoint, out, quant_config, patterns)
+            _quantize_file_to_file(checkpoint, out, quant_config, patterns, cluster)
     except (BadInputError, ExternalError):
         raise
     except Exception as exc:
@@ -317,7 +319,7 @@ class QuantizeStage:
         target = read_resolved(ctx.stage_dir("resolve"))["target"]
         ctx.console.print(f"  quantizing {target.ref} to {ctx.recipe.quantization.scheme} with AMD Quark")
         summary = quantize_checkpoint(
-            Path(target.path), workdir / CHECKPOINT, ctx.recipe.quantization, ctx.recipe.calibration
+            Path(target.path), workdir / CHECKPOINT, ctx.recipe.quantization, ctx.recipe.calibration, ctx.recipe.cluster
         )
         report = QuantizeReport(target=target.ref, target_digest=target.digest, versions=tool_versions(),
                                 **asdict(summary))

@@ -12,6 +12,9 @@ A task whose worker or node dies is run again by Ray, up to `[cluster] max_retri
 still fails, or whose measurement raises, is reported with its log while the other cells finish and
 are kept; the study then fails with one line and a rerun measures only what is missing. Ctrl-C
 cancels every task (a cancelled worker's server dies with it, `pipeline.serving.watchdog`).
+
+`map_on_ray` is the same idea for file-to-file quantization: one task per shard, each writing its
+output shard to shared storage.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,38 +59,63 @@ class WorkerResult:
     exit_code: int = 3
 
 
+@contextmanager
+def ray_session(cluster: Cluster):
+    """Ray, joined to the cluster [cluster] address or RAY_ADDRESS names (else one `ray start` runs on
+    this machine, else a new local one); a cluster started here is stopped on the way out. A process
+    already connected (a test, a notebook) keeps its connection."""
+    ray = import_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    address = cluster.address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise ExternalError(f"cannot start or join {where}: {str(exc).splitlines()[0][:200]}; "
+                            "check [cluster] address or RAY_ADDRESS, and `ray status` on the head node") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def map_on_ray(cluster: Cluster, fn, jobs: list[tuple], names: list[str]) -> list:
+    """fn(*job) for each job as a Ray task reserving `cpus_per_cell` CPUs, results in order; a task whose
+    worker died is run again up to `max_retries` times. For work that writes to shared storage."""
+    with ray_session(cluster) as ray:
+        remote = ray.remote(fn)
+        refs = [remote.options(name=name, num_cpus=cluster.cpus_per_cell, max_retries=cluster.max_retries).remote(*job)
+                for job, name in zip(jobs, names, strict=True)]
+        try:
+            return ray.get(refs)
+        except KeyboardInterrupt:
+            for ref in refs:
+                ray.cancel(ref, force=True)
+            raise
+        except ray.exceptions.RayError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise ExternalError(f"a Ray task failed: {cause.__class__.__name__}: {str(cause).splitlines()[0][:200]}") from None
+
+
 class RayExecutor:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
+        self.device = cluster.device  # "auto" is settled once the cluster's resources are known
 
     def measure(self, store: CellStore, cells: list[Cell], events: CellEvents) -> dict[str, Measured]:
-        ray = import_ray()
-        started_here = self._connect(ray)
-        try:
-            self._check_resources(ray, cells)
-            return _Study(ray, self.cluster, store, cells, events).run()
-        finally:
-            if started_here:
-                ray.shutdown()
+        with ray_session(self.cluster) as ray:
+            total = ray.cluster_resources()
+            if self.cluster.device == "auto":
+                self.device = "gpu" if total.get("GPU", 0) > 0 else "cpu"
+            self._check_resources(total, cells)
+            return _Study(ray, self, store, cells, events).run()
 
-    def _connect(self, ray) -> bool:
-        """Join the cluster the recipe or RAY_ADDRESS names, or start a local one; True if started here."""
-        if ray.is_initialized():
-            return False
-        address = self.cluster.address or os.environ.get("RAY_ADDRESS") or None
-        try:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
-            raise ExternalError(f"cannot start or join {where}: {str(exc).splitlines()[0][:200]}; "
-                                "check [cluster] address or RAY_ADDRESS, and `ray status` on the head node") from None
-        return True
-
-    def _check_resources(self, ray, cells: list[Cell]) -> None:
+    def _check_resources(self, total: dict, cells: list[Cell]) -> None:
         """A cell no node can hold would wait forever: say so now."""
-        total = ray.cluster_resources()
         for cell in cells:
-            need, unit = self._reservation(cell)
+            need, unit = self.reservation(cell)
             have = total.get("GPU" if "num_gpus" in need else "CPU", 0)
             wanted = need.get("num_gpus", need.get("num_cpus"))
             if wanted > have:
@@ -94,8 +123,8 @@ class RayExecutor:
                         else "lower [cluster] cpus_per_cell")
                 raise BadInputError(f"cell {cell.name} needs {wanted:g} {unit}s but the Ray cluster has {have:g}; {hint}")
 
-    def _reservation(self, cell: Cell) -> tuple[dict, str]:
-        if self.cluster.device == "gpu":
+    def reservation(self, cell: Cell) -> tuple[dict, str]:
+        if self.device == "gpu":
             return {"num_gpus": cell.gpus, "num_cpus": 1}, "GPU"
         return {"num_cpus": self.cluster.cpus_per_cell}, "CPU"
 
@@ -103,10 +132,11 @@ class RayExecutor:
 class _Study:
     """One executor call: submit each cell once the cells it reads are kept, keep what comes back."""
 
-    def __init__(self, ray, cluster: Cluster, store: CellStore, cells: list[Cell], events: CellEvents):
+    def __init__(self, ray, executor: RayExecutor, store: CellStore, cells: list[Cell], events: CellEvents):
         from ray.util.queue import Queue
 
-        self.ray, self.cluster, self.store, self.events = ray, cluster, store, events
+        self.ray, self.executor, self.store, self.events = ray, executor, store, events
+        self.cluster = executor.cluster
         self.waiting = list(cells)
         self.todo = {cell.name for cell in cells}
         self.pending: dict = {}  # ObjectRef -> (cell, submitted at)
@@ -147,7 +177,7 @@ class _Study:
                 continue  # what it reads is still being measured
             self.waiting.remove(cell)
             inputs = {name: _read_tree(self.store.folder(name)) for name in cell.after}
-            need, _ = RayExecutor(self.cluster)._reservation(cell)
+            need, _ = self.executor.reservation(cell)
             ref = self.remote.options(name=cell.name, max_retries=self.cluster.max_retries, **need).remote(
                 cell.name, cell.measure, inputs, self.queue)
             self.pending[ref] = (cell, time.perf_counter())

@@ -199,8 +199,9 @@ class Cluster(_Section):
     executor: Literal["local", "ray"] = "local"
     address: str | None = Field(
         None, description="Ray cluster to join, e.g. 'auto' or 'ray://head:10001'; default RAY_ADDRESS, else a local one")
-    device: Literal["gpu", "cpu"] = Field(
-        "gpu", description="what a cell reserves: its server's tensor_parallel_size GPUs, or cpus_per_cell CPUs")
+    device: Literal["auto", "gpu", "cpu"] = Field(
+        "auto", description="what a cell reserves: its server's tensor_parallel_size GPUs, or cpus_per_cell CPUs; "
+        "auto: GPUs when the cluster has any")
     cpus_per_cell: Annotated[int, Field(ge=1)] = 1
     max_retries: Annotated[int, Field(ge=0, le=10)] = Field(
         2, description="times Ray runs a cell again whose worker or node died")

@@ -23,7 +23,7 @@ from tests.conftest import ROOT, tiny_reference_recipe
 
 pytestmark = pytest.mark.slow
 
-ON_RAY = "[cluster]\nexecutor = 'ray'\ndevice = 'cpu'\n"
+ON_RAY = "[cluster]\nexecutor = 'ray'\n"  # device 'auto': CPUs, as these clusters have no GPU
 BEFORE_VALIDATE = shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock")
 
 
@@ -173,6 +173,38 @@ def test_a_cell_no_node_can_hold_is_bad_input_not_a_hang(tmp_path, two_nodes):
     store = CellStore(tmp_path / "cells", tmp_path / "logs")
     with pytest.raises(BadInputError, match="needs 1 GPUs but the Ray cluster has 0; set \\[cluster\\] device"):
         run_cells(store, [Cell("serve-bf16-ar", "f", lambda work: None)], RayExecutor(Cluster(executor="ray")))
+
+
+def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, tiny, two_nodes):
+    """The tiny MoE target split into two shards, quantized file-to-file here and as two Ray tasks
+    (one per shard, on either node): every output file is identical, and both pass the bit-exact check."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.checkpoint import write_index
+    from pipeline.quantize import quantize_checkpoint
+    from pipeline.recipe import Quantization
+
+    source = tmp_path / "two-shards"
+    shutil.copytree(tiny / "qwen3.5-moe-tiny", source, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for path in sorted((tiny / "qwen3.5-moe-tiny").glob("*.safetensors")):
+        tensors |= load_file(path)
+    names, weight_map = sorted(tensors), {}
+    for index, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), start=1):
+        shard = f"model-{index:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(source / shard), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, shard)
+    write_index(source, weight_map)
+
+    spec = Quantization(mode="file_to_file")
+    here = quantize_checkpoint(source, tmp_path / "here", spec)
+    on_ray = quantize_checkpoint(source, tmp_path / "on-ray", spec, cluster=Cluster(executor="ray", device="cpu"))
+    files = sorted(p.name for p in (tmp_path / "here").iterdir())
+    assert sum(name.endswith(".safetensors") for name in files) == 2
+    assert files == sorted(p.name for p in (tmp_path / "on-ray").iterdir())
+    for name in files:
+        assert (tmp_path / "on-ray" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
+    assert on_ray.quantized_layers == here.quantized_layers > 0
 
 
 def _ray_task_processes():

@@ -100,14 +100,15 @@ def test_a_serving_cell_runs_through_the_ray_executor(served, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(local, out, ignore=shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock"))
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', methods='["ar"]', precisions='["mxfp4"]')
+    recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', methods='["dflash"]', precisions='["mxfp4"]')
                       + "\n[cluster]\nexecutor = 'ray'\ndevice = 'cpu'\ncpus_per_cell = 2\n")
     run_pipeline(load_recipe(recipe), out, until="validate")
-    cell = "serve-mxfp4-ar"
+    cell = f"serve-mxfp4-dflash-b{BUDGET}"
     on_ray = json.loads((out / ".mxspec" / "cells" / cell / "result.json").read_text())
     here = json.loads((local / ".mxspec" / "cells" / cell / "result.json").read_text())
-    assert on_ray["tokens"] == here["tokens"] and on_ray["rows"][0]["throughput_tok_s"] > 0
-    assert "POST /v1/chat/completions" in (out / ".mxspec" / "logs" / "servers" / "mxfp4-ar.log").read_text()
+    assert on_ray["tokens"] == here["tokens"] and on_ray["per_prompt"] == here["per_prompt"]
+    assert on_ray["rows"][0]["throughput_tok_s"] > 0
+    assert "POST /v1/chat/completions" in (out / ".mxspec" / "logs" / "servers" / f"mxfp4-dflash-b{BUDGET}.log").read_text()
     assert (out / "validate" / "cells" / cell / "server.log").is_file()
 
 
