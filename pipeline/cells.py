@@ -36,6 +36,7 @@ from pipeline.errors import MxspecError
 
 CELL_FILE = "cell.json"
 RESULT_FILE = "result.json"  # a cell's measurements, in the model of the code that measures it
+TIMING_FILE = "timing.json"  # how long it took and where: kept beside the cell, never linked into a stage
 CELL_SCHEMA = "mxspec.cell/1"
 
 
@@ -92,13 +93,15 @@ class Cell:
     gpus: int = 1  # accelerators its work occupies: a server's tensor_parallel_size
 
 
-@dataclass(frozen=True)
-class Measured:
-    """A cell measured by this run: its wall time, the phases within it, and where it ran."""
+class Measured(BaseModel):
+    """OUT/.mxspec/cells/<cell>/timing.json: a cell's wall time, the phases within it, and where it ran.
+    Not part of the cell's result: it differs from run to run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     seconds: float
-    phases: dict[str, float]
-    where: str
+    phases: dict[str, float] = {}
+    where: str = "here"
 
 
 class CellEvents:
@@ -137,21 +140,25 @@ class CellStore:
             return False
         return record.name == cell.name and record.fingerprint == cell.fingerprint
 
-    def keep(self, cell: Cell, fill: Callable[[Path], None]) -> Path:
+    def keep(self, cell: Cell, fill: Callable[[Path], Measured]) -> Measured:
         """The cell's files, written by `fill` into a temp folder renamed into place with the cell's
-        record: a kill or an error leaves no half cell."""
+        record and timing: a kill or an error leaves no half cell."""
         with atomic_directory(self.folder(cell.name)) as tmp:
-            fill(tmp)
+            measured = fill(tmp)
+            (tmp / TIMING_FILE).write_text(measured.model_dump_json(indent=2) + "\n")
             record = CellRecord(name=cell.name, fingerprint=cell.fingerprint)
             (tmp / CELL_FILE).write_text(record.model_dump_json(by_alias=True, indent=2) + "\n")
-        return self.folder(cell.name)
+        return measured
+
+    def timing(self, name: str) -> Measured | None:
+        return read_timing(self.root, name)
 
     def link_into(self, names: Iterable[str], dest: Path) -> None:
         """Hard links of the named cells' files under dest/<cell>/ (copies where links cannot be made)."""
         for name in names:
             source = self.folder(name)
             for path in sorted(source.rglob("*")):
-                if not path.is_file() or path.name == OWNER_MARK:
+                if not path.is_file() or path.name in (OWNER_MARK, TIMING_FILE):
                     continue
                 target = dest / name / path.relative_to(source)
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +166,14 @@ class CellStore:
                     os.link(path, target)
                 except OSError:
                     shutil.copy2(path, target)
+
+
+def read_timing(cells: Path, name: str) -> Measured | None:
+    """How long the cell kept under `cells` took when it was measured; None if it is not kept."""
+    try:
+        return Measured.model_validate_json((Path(cells) / name / TIMING_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 class Executor(Protocol):
@@ -178,14 +193,13 @@ class LocalExecutor:
             events.started(cell, "here")
             workspace = CellWorkspace(Path(), {name: store.folder(name) for name in cell.after}, store.logs,
                                       functools.partial(events.step, cell))
-            started = time.perf_counter()
 
-            def fill(tmp: Path, cell=cell, workspace=workspace) -> None:
-                workspace.out = tmp
+            def fill(tmp: Path, cell=cell, workspace=workspace) -> Measured:
+                workspace.out, started = tmp, time.perf_counter()
                 cell.measure(workspace)
+                return Measured(seconds=time.perf_counter() - started, phases=workspace.seconds)
 
-            store.keep(cell, fill)
-            done[cell.name] = Measured(time.perf_counter() - started, workspace.seconds, "here")
+            done[cell.name] = store.keep(cell, fill)
             events.finished(cell, done[cell.name])
         return done
 

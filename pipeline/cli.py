@@ -118,10 +118,13 @@ def plan(
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs per node")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", help="nodes in the cluster")] = 1,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="also write the plan here as JSON")] = None,
+    run_out: Annotated[Optional[Path], typer.Option("--run", help="a run folder: show each kept cell's measured "
+                                                    "time beside its estimate")] = None,
 ) -> None:
     """Estimate the study before running it: its cells, longest first, and its wall time on one GPU, on
     one node of GPUS and on NODES such nodes. Estimates come from the recipe's [plan] rates."""
     from pipeline.atomic import atomic_write_text
+    from pipeline.cells import read_timing
     from pipeline.errors import BadInputError
     from pipeline.plan import plan_study
 
@@ -129,12 +132,20 @@ def plan(
         raise BadInputError(f"--gpus {gpus} --nodes {nodes}: both must be at least 1")
     study = plan_study(load_recipe(recipe), gpus_per_node=gpus, nodes=nodes)
     out = Console()
-    table = Table(title=escape(f"{study.recipe}: {len(study.cells)} cells (estimates, not measurements)"),
+    measured = f"; measured: the cells kept in {run_out}" if run_out is not None else ", not measurements"
+    table = Table(title=escape(f"{study.recipe}: {len(study.cells)} cells (estimates{measured})"),
                   title_justify="left")
-    for column in ("cell", "GPUs", "tokens", "estimate"):
+    if run_out is not None and not RunLayout(run_out).cells.is_dir():
+        raise BadInputError(f"--run {run_out}: no validate cells there; pass the --out folder of a run that validated")
+    columns = ("cell", "GPUs", "tokens", "estimate") + (("measured",) if run_out is not None else ())
+    for column in columns:
         table.add_column(column, justify="left" if column == "cell" else "right")
     for cell in study.cells:
-        table.add_row(cell.name, str(cell.gpus), f"{cell.output_tokens:,}", _hours(cell.estimate_s))
+        row = [cell.name, str(cell.gpus), f"{cell.output_tokens:,}", _hours(cell.estimate_s)]
+        if run_out is not None:
+            timing = read_timing(RunLayout(run_out).cells, cell.name)
+            row.append(_hours(timing.seconds) + ("" if timing.where == "here" else f" on {timing.where}") if timing else "-")
+        table.add_row(*map(escape, row))
     out.print(table)
     for s in study.schedules:
         where = f"{s.nodes} node{'s' if s.nodes > 1 else ''} x {s.gpus_per_node} GPU{'s' if s.gpus_per_node > 1 else ''}"

@@ -208,8 +208,11 @@ class _Study:
             message = result.error.replace(LOGS_HERE, str(self.store.logs))
             self.failed[cell.name] = CellFailed(f"cell {cell.name} failed on {result.where}: {message}", result.exit_code)
             return
-        self.store.keep(cell, lambda tmp: _write_tree(tmp, result.files))
-        self.done[cell.name] = Measured(result.seconds, result.phases, result.where)
+        def fill(tmp: Path) -> Measured:
+            _write_tree(tmp, result.files)
+            return Measured(seconds=result.seconds, phases=result.phases, where=result.where)
+
+        self.done[cell.name] = self.store.keep(cell, fill)
         self.events.finished(cell, self.done[cell.name])
 
 

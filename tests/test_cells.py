@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.cells import CELL_FILE, Cell, CellEvents, CellStore, fingerprint, run_cells
+from pipeline.cells import CELL_FILE, TIMING_FILE, Cell, CellEvents, CellStore, fingerprint, run_cells
 
 
 def writing(text: str, calls: list[str]):
@@ -75,7 +75,8 @@ def test_the_stage_links_the_cells_it_used(tmp_path):
     run_cells(store, [Cell("a", "f", writing("a", []))])
     store.link_into(["a"], tmp_path / "validate" / "cells")
     linked = tmp_path / "validate" / "cells" / "a"
-    assert sorted(p.name for p in linked.iterdir()) == [CELL_FILE, "result.txt"]
+    assert sorted(p.name for p in linked.iterdir()) == [CELL_FILE, "result.txt"], "its timing differs run to run: not linked"
+    assert (store.folder("a") / TIMING_FILE).is_file()
     assert (linked / "result.txt").stat().st_ino == (store.folder("a") / "result.txt").stat().st_ino
 
 
@@ -102,3 +103,4 @@ def test_a_cell_reads_the_cells_it_comes_after_and_reports_its_steps_and_phases(
                            ("started", "verify"), ("finished", "verify")]
     assert set(measured) == {"texts", "verify"} and set(measured["texts"].phases) == {"generate"}
     assert measured["texts"].seconds >= measured["texts"].phases["generate"] >= 0 and measured["texts"].where == "here"
+    assert store.timing("texts") == measured["texts"], "kept beside the cell, for `mxspec plan --run`"

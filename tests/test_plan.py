@@ -89,3 +89,17 @@ def test_cli_prints_cells_wall_times_and_writes_the_plan_as_json(mxspec, tmp_pat
 def test_cli_refuses_a_cluster_without_gpus_in_one_line(mxspec):
     done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--gpus", "0")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--gpus 0" in done.stderr
+
+
+def test_cli_shows_each_kept_cells_measured_time_beside_its_estimate(mxspec, tmp_path):
+    from pipeline.cells import TIMING_FILE, Measured
+
+    cells = tmp_path / "run" / ".mxspec" / "cells"
+    (cells / "serve-bf16-ar").mkdir(parents=True)
+    (cells / "serve-bf16-ar" / TIMING_FILE).write_text(Measured(seconds=5400.0, where="node ab12cd34").model_dump_json())
+    done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--run", tmp_path / "run")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 4}
+    assert "1.5 h on node ab12cd34" in rows["serve-bf16-ar"] and rows["serve-mxfp4-ar"].rstrip("│ ").endswith("-")
+    missing = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--run", tmp_path / "nothing")
+    assert missing.returncode == 2 and "no validate cells there" in missing.stderr
