@@ -79,3 +79,29 @@ def tiny_reference_recipe(folder: Path, tiny: Path, extra: str = "") -> Path:
         "backends = ['reference']\nnum_prompts = 3\nmax_tokens = 12\n" + extra
     )
     return path
+
+
+def validate_killed_once_a_cell_is_kept(recipe: Path, out: Path, *extra: str) -> list[str]:
+    """`mxspec run RECIPE --until validate` in its own process group, SIGKILLed (with everything it
+    started) as soon as its first cell is kept; returns the command, to run it again."""
+    import signal
+    import time
+
+    from pipeline.cells import CELL_FILE
+
+    command = [sys.executable, "-c", "from pipeline.cli import main; main()", "run", str(recipe), "--out", str(out),
+               "--until", "validate", *extra]
+    proc = subprocess.Popen(command, env=cli_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    cells, deadline = out / ".mxspec" / "cells", time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline and not list(cells.glob(f"*/{CELL_FILE}")):
+        time.sleep(0.01)
+    assert proc.poll() is None, f"validate ended (exit {proc.returncode}) before a cell was kept"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return command
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of an mxspec subprocess that imports this checkout's code."""
+    return {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from pipeline.cells import CELL_FILE, TIMING_FILE, Cell, CellStore, run_cells
+from pipeline.cells import TIMING_FILE, Cell, CellStore, run_cells
 from pipeline.recipe import Cluster, load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import ROOT, tiny_reference_recipe
+from tests.conftest import ROOT, cli_env, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
 
@@ -65,23 +65,13 @@ def test_a_local_ray_cluster_measures_the_local_executors_study(local):
 
 def test_a_driver_killed_mid_study_resumes_with_its_finished_cells_untouched(local):
     out = fresh_copy(local / "local", "driver-killed")
-    command = [sys.executable, "-c", "from pipeline.cli import main; main()", "run", str(local / "ray.toml"),
-               "--out", str(out), "--until", "validate"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    command = validate_killed_once_a_cell_is_kept(local / "ray.toml", out)
     cells = out / ".mxspec" / "cells"
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline and not list(cells.glob(f"*/{CELL_FILE}")):
-        time.sleep(0.01)
-    assert proc.poll() is None, f"validate ended (exit {proc.returncode}) before a cell was kept"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
     finished = [p for p in cells.rglob("*") if p.is_file() and p.parent.name != cells.name]
     before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in finished}
     assert before and not (out / "validate").exists()
 
-    again = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(command, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "measured earlier (kept)" in again.stderr
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in before} == before

@@ -11,7 +11,7 @@ import pytest
 from pipeline.artifacts import VALIDATE_SCHEMA, ValidateReport
 from pipeline.recipe import load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import tiny_reference_recipe
+from tests.conftest import ROOT, cli_env, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
 
@@ -122,35 +122,20 @@ def test_redone_validate_writes_the_same_bytes_and_keeps_its_wall_times_in_the_m
 def test_a_validate_killed_between_cells_resumes_with_the_finished_cells_untouched(report, tmp_path):
     """SIGKILL once the first cell is finished; run again: that cell's files are the very same files
     (inode and mtime), the other cells are measured, and the report equals an uninterrupted run's."""
-    import os
     import shutil
-    import signal
     import subprocess
-    import sys
-    import time
 
     from pipeline.cells import CELL_FILE
 
     out = tmp_path / "out"
     shutil.copytree(report.parent, out, ignore=shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock"))
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-c", "from pipeline.cli import main; main()", "run",
-               str(report.parent.parent / "recipe.toml"), "--out", str(out), "--until", "validate"]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    command = validate_killed_once_a_cell_is_kept(report.parent.parent / "recipe.toml", out)
     cells = out / ".mxspec" / "cells"
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline and not list(cells.glob(f"*/{CELL_FILE}")):
-        time.sleep(0.01)
-    assert proc.poll() is None, f"validate ended (exit {proc.returncode}) before a cell was finished"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
     finished = [path.parent for path in cells.glob(f"*/{CELL_FILE}")]
     assert len(finished) == 1 and not (out / "validate").exists()
     before = {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in finished[0].rglob("*") if path.is_file()}
 
-    again = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(command, env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{finished[0].name}: measured earlier (kept)" in again.stderr
     assert {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in before} == before
