@@ -215,11 +215,3 @@ def run_cells(store: CellStore, cells: list[Cell], executor: Executor | None = N
             events.kept(cell)
     return (executor or LocalExecutor()).measure(store, todo, events) if todo else {}
 
-
-def executor_for(cluster) -> Executor:
-    """The executor a recipe's [cluster] section names."""
-    if cluster.executor == "ray":
-        from pipeline.ray_cells import RayExecutor
-
-        return RayExecutor(cluster)
-    return LocalExecutor()

@@ -39,8 +39,8 @@ from pipeline.cells import (
     CellStore,
     CellWorkspace,
     Executor,
+    LocalExecutor,
     Measured,
-    executor_for,
     fingerprint,
     reference_cell_name,
     run_cells,
@@ -54,7 +54,7 @@ from pipeline.drift import (
 )
 from pipeline.fidelity import TOP_K, PromptFidelity, ReferenceDistribution, compare
 from pipeline.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
-from pipeline.recipe import Recipe
+from pipeline.recipe import Cluster, Recipe
 from pipeline.report_figures import write_figures
 from pipeline.report_markdown import report_markdown
 from pipeline.runner import StageContext
@@ -485,6 +485,15 @@ def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
     measured = {(c.workload, c.precision, c.budget): c.mean_acceptance_length for c in cells}
     return [row.model_copy(update={"acceptance_length_measured": measured.get((row.workload, row.precision, row.budget))
                                    if row.method == "dflash" else None}) for row in serving.rows]
+
+
+def executor_for(cluster: Cluster) -> Executor:
+    """The executor a recipe's [cluster] section names."""
+    if cluster.executor == "ray":
+        from pipeline.ray_cells import RayExecutor
+
+        return RayExecutor(cluster)
+    return LocalExecutor()
 
 
 class ValidateStage:
