@@ -106,22 +106,24 @@ class RayExecutor:
 
     def measure(self, store: CellStore, cells: list[Cell], events: CellEvents) -> dict[str, Measured]:
         with ray_session(self.cluster) as ray:
-            total = ray.cluster_resources()
+            nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
             if self.cluster.device == "auto":
-                self.device = "gpu" if total.get("GPU", 0) > 0 else "cpu"
-            self._check_resources(total, cells)
+                self.device = "gpu" if any(node.get("GPU", 0) > 0 for node in nodes) else "cpu"
+            self._check_resources(nodes, cells)
             return _Study(ray, self, store, cells, events).run()
 
-    def _check_resources(self, total: dict, cells: list[Cell]) -> None:
-        """A cell no node can hold would wait forever: say so now."""
+    def _check_resources(self, nodes: list[dict], cells: list[Cell]) -> None:
+        """A cell no node can hold would wait forever: say so now. A cell's GPUs are on one node (a
+        tensor-parallel server does not span nodes)."""
         for cell in cells:
             need, unit = self.reservation(cell)
-            have = total.get("GPU" if "num_gpus" in need else "CPU", 0)
-            wanted = need.get("num_gpus", need.get("num_cpus"))
-            if wanted > have:
+            wanted = need["num_gpus" if unit == "GPU" else "num_cpus"]
+            largest = max((node.get(unit, 0) for node in nodes), default=0)
+            if wanted > largest:
                 hint = ("set [cluster] device = \"cpu\" on a cluster without GPUs" if unit == "GPU"
                         else "lower [cluster] cpus_per_cell")
-                raise BadInputError(f"cell {cell.name} needs {wanted:g} {unit}s but the Ray cluster has {have:g}; {hint}")
+                raise BadInputError(f"cell {cell.name} needs {wanted:g} {unit}s on one node but the largest node of the "
+                                    f"Ray cluster has {largest:g}; {hint}")
 
     def reservation(self, cell: Cell) -> tuple[dict, str]:
         if self.device == "gpu":

@@ -162,8 +162,11 @@ def test_a_cell_no_node_can_hold_is_bad_input_not_a_hang(tmp_path, two_nodes):
     from pipeline.ray_cells import RayExecutor
 
     store = CellStore(tmp_path / "cells", tmp_path / "logs")
-    with pytest.raises(BadInputError, match="needs 1 GPUs but the Ray cluster has 0; set \\[cluster\\] device"):
+    with pytest.raises(BadInputError, match="needs 1 GPUs on one node but the largest node of the Ray cluster has 0; set \\[cluster\\] device"):
         run_cells(store, [Cell("serve-bf16-ar", "f", lambda work: None)], RayExecutor(Cluster(executor="ray", device="gpu")))
+    with pytest.raises(BadInputError, match="needs 2 CPUs on one node but the largest node of the Ray cluster has 1"):
+        run_cells(store, [Cell("reference-bf16-gsm8k", "f", lambda work: None)],
+                  RayExecutor(Cluster(executor="ray", device="cpu", cpus_per_cell=2)))  # 2 CPUs in all, 1 a node
 
 
 def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, tiny, two_nodes):
