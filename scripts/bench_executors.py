@@ -7,10 +7,11 @@ Measured side by side in one run, on this machine:
      the two reports must be byte-identical;
   2. file-to-file quantization of the 2-shard benchmark checkpoint (scripts/bench_quantize.py builds
      it) shard by shard here, and as one Ray task per shard on 2 workers; the outputs must be identical;
+     the peak RSS of each worker that quantized a shard (VmHWM, imports included) against the largest shard;
 and, from the recipe alone, the planner's estimate of the MI355X study (recipes/qwen3.5-27b-mxfp4.toml)
 on 1 GPU, one 8-GPU node and 4 x 8 GPUs. Prints a Markdown table and writes OUT/results.json.
 
-Usage: python scripts/bench_executors.py [--out build/bench-executors] [--prompts N] [--layers 18]
+Usage: python scripts/bench_executors.py [--out build/bench-executors] [--prompts N] [--layers 18] [--skip-study]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,14 +102,45 @@ def bench_shards(out: Path, layers: int) -> dict:
         if cluster is None:
             quantize_file_to_file(source, target, config, quantized)
         else:
-            with ray_session(cluster):  # Ray's start-up counted: it is part of what a user waits for
+            with ray_session(cluster), PeakRss("ray::quantize-") as workers:  # Ray's start-up counted
                 quantize_file_to_file(source, target, config, quantized, cluster)
         seconds[where] = time.perf_counter() - started
         print(f"  {seconds[where]:.1f} s", flush=True)
     names = sorted(p.name for p in (out / "quantized-local").iterdir())
     _, mismatch, errors = filecmp.cmpfiles(out / "quantized-local", out / "quantized-ray", names, shallow=False)
     size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
-    return {"shards": shards, "checkpoint_bytes": size, "seconds": seconds, "outputs_identical": not mismatch and not errors}
+    largest = max(p.stat().st_size for p in source.glob("*.safetensors"))
+    return {"shards": shards, "checkpoint_bytes": size, "largest_shard_bytes": largest, "seconds": seconds,
+            "outputs_identical": not mismatch and not errors, "worker_peak_rss_bytes": sorted(workers.peaks.values())}
+
+
+class PeakRss:
+    """The peak resident memory (VmHWM) of every process that ran a Ray task whose name starts with
+    `prefix`, read from /proc while they live (Ray renames a worker `ray::<task name>` while it runs one)."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.peaks, self.stop = prefix, {}, threading.Event()
+
+    def __enter__(self) -> PeakRss:
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.05):
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    title = cmdline.read_bytes().split(b"\0")[0].decode(errors="replace")
+                    if title.startswith(self.prefix) or cmdline.parent.name in self.peaks:
+                        status = (cmdline.parent / "status").read_text()
+                        hwm = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024
+                        self.peaks[cmdline.parent.name] = max(hwm, self.peaks.get(cmdline.parent.name, 0))
+                except (OSError, StopIteration, ValueError):
+                    continue
 
 
 def planner() -> dict:
@@ -123,20 +156,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench-executors")
     parser.add_argument("--prompts", type=int, help="prompts per workload (default: the recipe's)")
     parser.add_argument("--layers", type=int, default=18, help="layers of the benchmark checkpoint (18: about 2 GB)")
+    parser.add_argument("--skip-study", action="store_true", help="only the quantization and the planner")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from pipeline.versions import tool_versions
 
-    results = {"cpus": os.cpu_count(), "versions": tool_versions(), "study": bench_study(args.out.resolve(), args.prompts),
+    results = {"cpus": os.cpu_count(), "versions": tool_versions(),
+               "study": None if args.skip_study else bench_study(args.out.resolve(), args.prompts),
                "shards": bench_shards(args.out.resolve(), args.layers), "planner": planner()}
     study, shards, plan = results["study"], results["shards"], results["planner"]
     print(f"\n{os.cpu_count()} CPUs; measured in one run:\n")
     print("| work | local | Ray, 2 workers | same output |\n|---|---|---|---|")
-    print(f"| reference study, validate ({study['cells']} cells) | {study['seconds']['local']:.0f} s | "
-          f"{study['seconds']['ray']:.0f} s | {'yes' if study['reports_identical'] else 'NO'} |")
+    if study is not None:
+        print(f"| reference study, validate ({study['cells']} cells) | {study['seconds']['local']:.0f} s | "
+              f"{study['seconds']['ray']:.0f} s | {'yes' if study['reports_identical'] else 'NO'} |")
     print(f"| file-to-file, {shards['shards']} shards, {shards['checkpoint_bytes'] / 1e9:.2f} GB | "
           f"{shards['seconds']['local']:.0f} s | {shards['seconds']['ray']:.0f} s | "
           f"{'yes' if shards['outputs_identical'] else 'NO'} |")
+    peaks = shards["worker_peak_rss_bytes"]
+    print(f"\npeak RSS of the Ray workers that quantized a shard: "
+          f"{', '.join(f'{b / 1e9:.2f} GB' for b in peaks) or 'not seen'}; largest shard {shards['largest_shard_bytes'] / 1e9:.2f} GB"
+          + (f"; ratio {max(peaks) / shards['largest_shard_bytes']:.2f} (target <= 1.5)" if peaks else ""))
     print(f"\nplanner, Qwen3.5-27B MI355X study ({plan['cells']} cells; estimates from the recipe's [plan] rates):")
     for where, hours in plan["hours"].items():
         print(f"  {where}: {hours:.1f} h")
