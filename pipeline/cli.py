@@ -55,7 +55,7 @@ RayAddressOpt = Annotated[Optional[str], typer.Option(
 
 
 def _recipe_on(path: Path, executor: str | None, ray_address: str | None) -> Recipe:
-    """The recipe with the command line's choice of executor; Ray must be importable when it is chosen."""
+    """The recipe with the command line's choice of executor (the preflight checks that Ray is importable)."""
     from pipeline.errors import BadInputError
 
     recipe = load_recipe(path)
@@ -65,10 +65,6 @@ def _recipe_on(path: Path, executor: str | None, ray_address: str | None) -> Rec
                                  "address": ray_address}.items() if v}
     if update:
         recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=update)})
-    if recipe.cluster.executor == "ray":
-        from pipeline.ray_cells import import_ray
-
-        import_ray()
     return recipe
 
 

@@ -137,7 +137,6 @@ class ReferenceMeasurements:
     same_text: dict = field(default_factory=dict)  # (workload, budget) -> [AcceptanceStats]: MXFP4 on bf16's text
     fidelity: dict = field(default_factory=dict)  # workload -> [PromptFidelity]
     answers: dict = field(default_factory=dict)  # (workload, precision) -> [Answer]
-    seconds: dict = field(default_factory=dict)  # phase -> wall seconds of what this run measured
     cells: list = field(default_factory=list)  # names of the cells these measurements come from
     measured: dict = field(default_factory=dict)  # cell name -> Measured, for the cells this run measured
 
@@ -292,9 +291,6 @@ def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path
     measured.cells = [cell.name for cell in cells]
     for cell in cells:
         measured.add(read_artifact(store.folder(cell.name) / RESULT_FILE, ReferenceCellResult, "run validate again"))
-    for done in measured.measured.values():
-        for phase, seconds in done.phases.items():
-            measured.seconds[phase] = measured.seconds.get(phase, 0.0) + seconds
     return measured
 
 
@@ -477,7 +473,11 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
         report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
     names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])
     measured = (reference.measured if reference is not None else {}) | (serving.measured if serving is not None else {})
-    return Validated(report, dict(reference.seconds) if reference is not None else {}, names, measured)
+    phases: dict[str, float] = {}
+    for done in measured.values():
+        for phase, seconds in done.phases.items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+    return Validated(report, phases, names, measured)
 
 
 def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
