@@ -83,6 +83,7 @@ class ReportSettings(_Artifact):
     seed: int
     prompt_source: PromptSource
     prompt_sets: dict[str, str]  # workload -> where its prompts came from (dataset or package file, version)
+    enforce_eager: bool = False  # vLLM served without torch.compile: slower steps than a compiled server
 
 
 class AcceptanceCell(_Artifact):

@@ -173,6 +173,9 @@ def _recipe_table(path: Path, recipe: Recipe) -> Table:
         "backends": ", ".join(v.backends),
         "gate": f"max AL drop {recipe.gate.max_acceptance_length_drop}, max position gap {recipe.gate.max_position_gap}, "
         f"inconclusive -> {recipe.gate.on_inconclusive}",
+        "vLLM serves": "-" if "vllm" not in v.backends else
+        f"{', '.join(recipe.served.workloads)}; budgets {recipe.served.budgets}; {recipe.served.num_prompts} prompts per "
+        "workload" + ("; eager (no torch.compile)" if recipe.serving.enforce_eager else ""),
         "serving env": " ".join(f"{k}={v_}" for k, v_ in recipe.serving.env.items()) or "-",
         "cells run on": "this process" if recipe.cluster.executor == "local" else
         f"Ray ({recipe.cluster.address or 'RAY_ADDRESS or a local cluster'}), each cell reserving "

@@ -7,7 +7,7 @@ A cell is a unit of validate's work that measures and nothing else (`pipeline.ce
                   cell of its workload (it verifies bf16's text), so it starts after it; one GPU.
 
 The cost model is arithmetic over the recipe's `[plan]` rates, which are estimates, not measurements:
-  serving    start-up + sum over workloads and concurrencies of
+  serving    start-up + sum over the served workloads (`Recipe.served`) and concurrencies of
              num_prompts x output_tokens_per_prompt / (tok_s[method] x mxfp4_speedup? x min(c, batch_gain))
   reference  num_prompts x max_tokens / reference_tok_s[precision]
 A schedule places cells longest first, each on the GPUs of one node that free up earliest (after the
@@ -70,14 +70,15 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
     v, rates = recipe.validation, recipe.plan
     cells = []
     if "vllm" in v.backends:
+        served = recipe.served
         out_tokens = rates.output_tokens_per_prompt or v.max_tokens
         for server in server_matrix(recipe):
             single = rates.tok_s[server.method] * (rates.mxfp4_speedup if server.precision == "mxfp4" else 1.0)
-            serving = sum(v.num_prompts * out_tokens / (single * min(c, rates.batch_gain)) for c in v.concurrency)
+            serving = sum(served.num_prompts * out_tokens / (single * min(c, rates.batch_gain)) for c in v.concurrency)
             cells.append(PlannedCell(
                 name=serving_cell_name(server.label), kind="serving", gpus=recipe.serving.tensor_parallel_size,
-                output_tokens=len(v.workloads) * len(v.concurrency) * v.num_prompts * out_tokens,
-                estimate_s=rates.server_start_s + len(v.workloads) * serving))
+                output_tokens=len(served.workloads) * len(v.concurrency) * served.num_prompts * out_tokens,
+                estimate_s=rates.server_start_s + len(served.workloads) * serving))
     if "reference" in v.backends:
         for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
             for workload in v.workloads:

@@ -34,6 +34,7 @@ _REPO_ID = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
 # Upper bounds a real study stays far below; past them a typo costs hours or memory, not a result.
 MAX_PROMPTS = 10_000  # the largest offline prompt set (GSM8K) has 1,319
 MAX_TOKENS = 262_144  # Qwen3.5's max_position_embeddings
+SERVED_SUBSET = ("workloads", "budgets", "num_prompts")  # [serving] keys that narrow [validation] for vLLM
 
 
 def repo_id_problem(repo_id: str) -> str | None:
@@ -160,6 +161,19 @@ class Gate(_Section):
 
 
 class Serving(_Section):
+    """How vLLM serves the study, and what of [validation]'s matrix it serves: by default all of it; a
+    subset (workloads, budgets, the first num_prompts prompts) keeps a CPU demo short while the
+    reference backend measures the rest."""
+
+    workloads: Annotated[list[Workload], Field(min_length=1)] | None = Field(
+        None, description="the workloads vLLM serves; default: validation.workloads")
+    budgets: Annotated[list[Annotated[int, Field(ge=2, le=64)]], Field(min_length=1)] | None = Field(
+        None, description="the MTP and DFlash budgets vLLM serves; default: validation.budgets")
+    num_prompts: Annotated[int, Field(ge=1, le=MAX_PROMPTS)] | None = Field(
+        None, description="the first N of validation's prompts per workload; default: validation.num_prompts")
+    enforce_eager: bool = Field(
+        False, description="serve without torch.compile and graph capture: starts in seconds instead of minutes, "
+        "steps more slowly (a CPU demo's few prompts; never for a throughput study)")
     env: dict[str, str] = {}
     tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
     max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -256,6 +270,35 @@ class Recipe(_Section):
             raise ValueError(f"{', '.join(missing)}: no rate to estimate with; add it to [plan] or drop the key to use the defaults")
         return self
 
+    @model_validator(mode="after")
+    def _serves_a_subset(self) -> Recipe:
+        v, s = self.validation, self.serving
+        narrowed = [key for key in SERVED_SUBSET if getattr(s, key) is not None]
+        if not narrowed:
+            return self
+        key = f"serving.{narrowed[0]}"
+        if "vllm" not in v.backends:  # like the rest of [serving], unused without vLLM
+            return self
+        if "reference" not in v.backends:
+            raise ValueError(f"{key} serves a subset of the study, and without the reference backend nothing measures "
+                             f"the rest; add 'reference' to validation.backends, or set validation.{narrowed[0]} instead")
+        for key in ("workloads", "budgets"):
+            chosen = getattr(s, key) or []
+            _no_duplicates(chosen, f"serving.{key}")
+            if extra := [str(x) for x in chosen if x not in getattr(v, key)]:
+                raise ValueError(f"serving.{key} lists {', '.join(extra)}, which validation.{key} does not measure; "
+                                 f"serve a subset of validation.{key} {getattr(v, key)}")
+        if s.num_prompts is not None and s.num_prompts > v.num_prompts:
+            raise ValueError(f"serving.num_prompts = {s.num_prompts} is more than validation.num_prompts = "
+                             f"{v.num_prompts}; serve at most the prompts the reference backend measures")
+        return self
+
+    @property
+    def served(self) -> Validation:
+        """The matrix the vLLM backend serves: [validation], narrowed by [serving]'s subset keys."""
+        return self.validation.model_copy(update={key: value for key in SERVED_SUBSET
+                                                  if (value := getattr(self.serving, key)) is not None})
+
     def section_hash(self, *sections: str) -> str:
         """sha256 of the named sections, canonically serialised: what a stage's output depends on."""
         data = self.model_dump(mode="json", include=set(sections) if sections else None)
@@ -323,11 +366,17 @@ def _explain(path: Path, text: str, exc: ValidationError) -> str:
             expected = err.get("ctx", {}).get("expected", "")
             lines.append(f"{where}: '{key}' = {err['input']!r} is not supported; use one of {expected}")
         elif kind == "value_error":
+            message = err["msg"].removeprefix("Value error, ")
+            if not loc and (named := _NAMED_KEY.match(message)):  # a check across sections names its key
+                where = f"{path}{_line_of(text, list(named.groups()))}"
             section = f"[{key}] " if loc else ""
-            lines.append(f"{where}: {section}{err['msg'].removeprefix('Value error, ')}")
+            lines.append(f"{where}: {section}{message}")
         else:
             lines.append(f"{where}: '{key}' = {err['input']!r}: {err['msg'].lower()}; fix its value")
     return "\n".join(lines)
+
+
+_NAMED_KEY = re.compile(r"^([a-z_]+)\.([a-z_]+)\b")
 
 
 def _model_at(loc: list[str]) -> type[BaseModel] | None:

@@ -47,7 +47,7 @@ def report_markdown(report: ValidateReport) -> str:
         if report.same_text_cells:
             lines += ["", "![own text vs same text](same_text_acceptance.png)"]
     if report.serving:
-        lines += ["", *serving_tables(report.serving)]
+        lines += ["", served_subset_line(report), *serving_tables(report.serving)]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items())), ""]
     return "\n".join(lines)
 
@@ -119,6 +119,19 @@ def same_text_tables(report: ValidateReport) -> list[str]:
             lines.append(f"| {a.workload} | {a.accuracy['bf16']:.3f} | {a.accuracy['mxfp4']:.3f} | {delta} | {ci} | "
                          f"{a.finished['bf16']} / {a.finished['mxfp4']} of {a.num_prompts} | {a.note} |")
     return lines
+
+
+def served_subset_line(report: ValidateReport) -> str:
+    """What vLLM served, and how: the serving tables may cover a subset of the acceptance tables."""
+    s, rows = report.settings, report.serving
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    prompts = sorted({r.num_prompts for r in rows})
+    line = (f"vLLM served {', '.join(workloads)}, {' or '.join(map(str, prompts))} prompts per workload"
+            + (" (the first of the prompts above)" if prompts != [s.num_prompts] else "") + ".")
+    if s.enforce_eager:
+        line += (" Servers ran eager (`--enforce-eager`, no torch.compile): they start in seconds, and their "
+                 "throughput is below what a compiled server reaches.")
+    return line + "\n"
 
 
 def serving_tables(rows: list[ServedRow]) -> list[str]:

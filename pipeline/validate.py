@@ -306,7 +306,8 @@ def report_settings(recipe: Recipe) -> ReportSettings:
     return ReportSettings(workloads=list(v.workloads), precisions=list(v.precisions), budgets=list(v.budgets),
                           num_prompts=v.num_prompts, max_tokens=v.max_tokens, seed=v.seed,
                           prompt_source=v.prompt_source,
-                          prompt_sets={w: describe_source(w, v.prompt_source) for w in v.workloads})
+                          prompt_sets={w: describe_source(w, v.prompt_source) for w in v.workloads},
+                          enforce_eager="vllm" in v.backends and recipe.serving.enforce_eager)
 
 
 def _cell(workload: str, precision: str, budget: int, stats: list[AcceptanceStats], seed: int) -> AcceptanceCell:
@@ -454,7 +455,7 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
         if "vllm" in v.backends:
             from pipeline.serving.benchmark import serve_matrix, server_matrix
 
-            steps += len(server_matrix(recipe)) * len(v.workloads) * len(v.concurrency)
+            steps += len(server_matrix(recipe)) * len(recipe.served.workloads) * len(v.concurrency)
         events = CellProgress(progress, steps)
         if "reference" in v.backends:
             reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
@@ -470,7 +471,7 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
             "versions": tool_versions()}
     report = build_report(recipe, per_prompt, meta, reference=reference)
     if serving is not None:
-        report = report.model_copy(update={"serving": _served_rows(serving, report.cells)})
+        report = report.model_copy(update={"serving": _served_rows(serving, per_prompt)})
     names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])
     measured = (reference.measured if reference is not None else {}) | (serving.measured if serving is not None else {})
     phases: dict[str, float] = {}
@@ -480,11 +481,14 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     return Validated(report, phases, names, measured)
 
 
-def _served_rows(serving, cells: list[AcceptanceCell]) -> list[ServedRow]:
-    """Serving rows, each DFlash row with the acceptance backend's AL on the same prompts beside it."""
-    measured = {(c.workload, c.precision, c.budget): c.mean_acceptance_length for c in cells}
-    return [row.model_copy(update={"acceptance_length_measured": measured.get((row.workload, row.precision, row.budget))
-                                   if row.method == "dflash" else None}) for row in serving.rows]
+def _served_rows(serving, per_prompt: dict) -> list[ServedRow]:
+    """Serving rows, each DFlash row with the acceptance backend's AL on the same prompts beside it (the
+    first `num_prompts` of them, when vLLM serves a subset)."""
+    def measured(row: ServedRow) -> float | None:
+        stats = per_prompt.get((row.workload, row.precision, row.budget), [])[: row.num_prompts]
+        return AcceptanceStats.pooled(stats).mean_acceptance_length if row.method == "dflash" and stats else None
+
+    return [row.model_copy(update={"acceptance_length_measured": measured(row)}) for row in serving.rows]
 
 
 def executor_for(cluster: Cluster) -> Executor:

@@ -35,6 +35,8 @@ os.environ.setdefault("QUARK_DISABLE_COMPILE", "1")
 def study_recipe(out: Path, prompts: int | None) -> Path:
     """The reference recipe with its model paths made absolute (and fewer prompts, if asked)."""
     text = (ROOT / "recipes" / "reference-cpu.toml").read_text().replace('path = "../', f'path = "{ROOT}/')
+    text = text.replace('backends = ["reference", "vllm"]', 'backends = ["reference"]')  # the reference study alone
+    assert 'backends = ["reference"]' in text, "recipes/reference-cpu.toml changed its backends line"
     if prompts is not None:
         text = "\n".join(f"num_prompts = {prompts}" if line.startswith("num_prompts") else line for line in text.splitlines())
     path = out / "reference-cpu.toml"

@@ -67,6 +67,17 @@ def tiny() -> Path:
     return TINY
 
 
+def reference_recipe_with(**validation):
+    """The reference recipe with `validation` keys set, re-validated: the reference backend alone unless
+    `backends` is given, and vLLM serving the whole matrix (not the recipe's demo subset)."""
+    from pipeline.recipe import SERVED_SUBSET, Recipe, load_recipe
+
+    data = load_recipe(RECIPES / "reference-cpu.toml").model_dump()
+    data["validation"] |= {"backends": ["reference"], **validation}
+    data["serving"] |= dict.fromkeys(SERVED_SUBSET)
+    return Recipe.model_validate(data)
+
+
 def tiny_reference_recipe(folder: Path, tiny: Path, extra: str = "") -> Path:
     """folder/recipe.toml: the tiny Qwen3.5 pair through the reference backend, 2 workloads x 2 precisions
     (4 cells), a few seconds a cell."""

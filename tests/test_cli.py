@@ -20,6 +20,13 @@ def test_recipe_check_accepts_the_27b_recipe(mxspec):
     assert "Qwen/Qwen3.5-27B@fc05daec18b0a78c049392ed2e771dde82bdf654" in result.stdout
 
 
+
+def test_recipe_check_says_what_vllm_serves_of_the_reference_recipe(mxspec):
+    result = mxspec("recipe", "check", RECIPES / "reference-cpu.toml")
+    assert result.returncode == 0, result.stderr
+    assert "gsm8k; budgets [8]; 3 prompts per workload; eager (no torch.compile)" in result.stdout
+
+
 @pytest.mark.parametrize(
     "edit, key",
     [

@@ -235,8 +235,8 @@ def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_targe
     from safetensors.torch import load_file, save_file
 
     from pipeline.quantize import quantize_checkpoint
-    from pipeline.recipe import Quantization, load_recipe
-    from tests.conftest import RECIPES
+    from pipeline.recipe import Quantization
+    from tests.conftest import reference_recipe_with
 
     degraded = tmp_path / "degraded"
     quantize_checkpoint(reference_target, degraded, Quantization(scheme="mxfp4_weight_only", exclude=["lm_head"]))
@@ -249,11 +249,9 @@ def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_targe
                 packed[hit] = torch.randint(0, 256, (int(hit.sum()),), generator=generator, dtype=torch.uint8)
         save_file(tensors, shard, metadata={"format": "pt"})
 
-    recipe = load_recipe(RECIPES / "reference-cpu.toml")
-    recipe = recipe.model_copy(update={
-        "validation": recipe.validation.model_copy(update={"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 6, "max_tokens": 48}),
-        "gate": Gate(max_acceptance_length_drop=0.2, max_position_gap=0.1, on_inconclusive="fail"),
-    })
+    recipe = reference_recipe_with(workloads=["gsm8k"], budgets=[8], num_prompts=6, max_tokens=48)
+    recipe = recipe.model_copy(update={"gate": Gate(max_acceptance_length_drop=0.2, max_position_gap=0.1,
+                                                    on_inconclusive="fail")})
     report, result = _validate_and_gate(tmp_path, recipe, reference_target, degraded)
     assert report.fidelity[0].top1_agreement < 0.5, "the perturbation must change what the target predicts"
     assert result.verdict == "fail" and result.exit_code == 1
@@ -277,12 +275,9 @@ def _validate_and_gate(tmp_path, recipe, bf16: Path, export: Path):
 @pytest.fixture(scope="module")
 def mt_bench_recipe():
     """The reference recipe on MT-Bench at block 8, six prompts of 96 tokens, with its own gate."""
-    from pipeline.recipe import load_recipe
-    from tests.conftest import RECIPES
+    from tests.conftest import reference_recipe_with
 
-    recipe = load_recipe(RECIPES / "reference-cpu.toml")
-    return recipe.model_copy(update={"validation": recipe.validation.model_copy(
-        update={"workloads": ["mt-bench"], "budgets": [8], "num_prompts": 6, "max_tokens": 96})})
+    return reference_recipe_with(workloads=["mt-bench"], budgets=[8], num_prompts=6, max_tokens=96)
 
 
 @pytest.mark.slow

@@ -24,12 +24,13 @@ def small_reference_recipe(tmp_path):
     text = (RECIPES / "reference-cpu.toml").read_text()
     text = text.replace('workloads = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]', 'workloads = ["gsm8k", "mbpp"]')
     text = text.replace("budgets = [4, 8, 16]", "budgets = [4, 8]").replace("num_prompts = 6", "num_prompts = 2")
-    text = text.replace("max_tokens = 96", "max_tokens = 24")
+    text = text.replace("max_tokens = 96", "max_tokens = 24").replace('backends = ["reference", "vllm"]', 'backends = ["reference"]')
     text = text.replace('path = "../models/', f'path = "{RECIPES.parent}/models/')
     # Strict thresholds, undecided counts as a failure: 2 prompts cannot show MXFP4 at least as good,
     # so the gate does not pass, and the test follows the refusal and the forced publish.
     text = text.replace("max_acceptance_length_drop = 0.5", "max_acceptance_length_drop = 0.0")
     text = text.replace("max_position_gap = 0.1", "max_position_gap = 0.0").replace('on_inconclusive = "pass"', 'on_inconclusive = "fail"')
+    assert 'backends = ["reference"]' in text, "the reference backend alone: this test follows the gate, not vLLM"
     recipe = tmp_path / "small.toml"
     recipe.write_text(text)
     return recipe

@@ -35,6 +35,19 @@ def test_a_serving_cell_is_one_server_of_the_matrix_costed_by_the_documented_ari
     assert list(cells.values()) == sorted(cells.values(), key=lambda c: -c.estimate_s)  # longest first
 
 
+def test_serving_cells_cost_the_subset_vllm_serves():
+    study = Recipe.model_validate({"name": "plan-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
+                                   "validation": {"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8], "concurrency": [1],
+                                                  "methods": ["ar", "dflash"], "backends": ["reference", "vllm"],
+                                                  "num_prompts": 10, "max_tokens": 100},
+                                   "serving": {"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 2}})
+    cells = {c.name: c for c in study_cells(study)}
+    assert {n for n in cells if n.startswith("serve-")} == {f"serve-{p}-{m}" for p in ("bf16", "mxfp4")
+                                                            for m in ("ar", "dflash-b8")}
+    assert cells["serve-bf16-ar"].output_tokens == 1 * 2 * 100  # one workload, two prompts
+    assert cells["reference-bf16-mbpp"].output_tokens == 10 * 100  # the reference backend measures everything
+
+
 def test_reference_cells_are_precision_by_workload_and_mxfp4_waits_for_bf16s_text():
     study = recipe(workloads=["gsm8k", "mbpp"], backends=["reference"], concurrency=[1], num_prompts=6, max_tokens=96)
     cells = {c.name: c for c in study_cells(study)}

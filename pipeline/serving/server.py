@@ -61,7 +61,8 @@ class ServerSpec:
         extra = tuple(s.extra_args) + (("--no-enable-prefix-caching",) if method == "mtp" else ())
         return cls(model=str(model), dtype=s.dtype, max_model_len=s.max_model_len,
                    tensor_parallel_size=s.tensor_parallel_size, max_num_batched_tokens=s.max_num_batched_tokens,
-                   gpu_memory_utilization=s.gpu_memory_utilization, env=dict(s.env), extra_args=extra,
+                   gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager, env=dict(s.env),
+                   extra_args=extra,
                    speculative=speculative, seed=recipe.validation.seed)
 
     def args(self) -> list[str]:

@@ -14,12 +14,12 @@ from transformers import AutoTokenizer
 from pipeline.acceptance import AcceptanceStats
 from pipeline.cells import CellStore
 from pipeline.dflash import DFlashDrafter
-from pipeline.recipe import load_recipe
-from pipeline.serving.benchmark import ServerCell, serve_matrix, server_matrix, server_spec
+from pipeline.recipe import Recipe, load_recipe
+from pipeline.serving.benchmark import ServerCell, serve_matrix, server_matrix, server_spec, serving_cells
 from pipeline.speculative import replay_as_vllm_counts
 from pipeline.validate import chat_ids, load_target
 from pipeline.workloads import load_prompts
-from tests.conftest import RECIPES, REFERENCE_DRAFTER
+from tests.conftest import RECIPES, REFERENCE_DRAFTER, reference_recipe_with
 
 
 def test_qwen35_matrix_has_ar_mtp_and_dflash_per_budget_at_both_precisions():
@@ -53,6 +53,32 @@ def test_dflash_cell_names_the_unchanged_drafter_and_ar_has_no_speculation():
     assert "--speculative-config" not in ar
 
 
+
+def test_the_reference_recipe_serves_ar_and_dflash_at_one_budget_eager():
+    recipe = load_recipe(RECIPES / "reference-cpu.toml")
+    assert server_matrix(recipe) == [ServerCell(p, m, b) for p in ("bf16", "mxfp4") for m, b in (("ar", None), ("dflash", 8))]
+    assert "--enforce-eager" in server_spec(recipe, ServerCell("bf16", "ar", None), Path("/t"), Path("/d")).args()
+    study = load_recipe(RECIPES / "qwen3.5-27b-mxfp4.toml")
+    assert "--enforce-eager" not in server_spec(study, ServerCell("bf16", "ar", None), Path("/t"), Path("/d")).args()
+
+
+def test_a_serving_cells_fingerprint_depends_on_what_it_serves_not_on_how_the_subset_is_spelled():
+    def fingerprints(validation: dict, serving: dict) -> dict[str, str]:
+        data = load_recipe(RECIPES / "reference-cpu.toml").model_dump()
+        data["validation"] |= validation
+        data["serving"] |= {"workloads": None, "budgets": None, "num_prompts": None, **serving}
+        cells = serving_cells(Recipe.model_validate(data), {}, Path("/d"), {}, dict.fromkeys(("bf16", "mxfp4", "drafter"), "x"))
+        return {c.name: c.fingerprint for c in cells}
+
+    whole = fingerprints({"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 3}, {})
+    subset = fingerprints({"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8], "num_prompts": 6},
+                          {"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 3})
+    assert subset == whole  # the same servers on the same prompts: kept, not served again
+    more = fingerprints({"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8], "num_prompts": 6},
+                        {"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 4})
+    assert more.keys() == whole.keys() and all(more[name] != whole[name] for name in whole)
+
+
 @pytest.mark.slow
 def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the_served_text(tmp_path, reference_target):
     """The committed drafter runs in vLLM's `dflash` method and drafts as `pipeline.dflash` does: per
@@ -60,11 +86,9 @@ def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the
     the text the server produced. Replayed untrimmed, because vLLM counts the final step's accepted
     drafts before trimming them at max_tokens or the stop token (README, vLLM backend)."""
     block_size = 8
-    recipe = load_recipe(RECIPES / "reference-cpu.toml")
-    validation = recipe.validation.model_copy(update={
-        "workloads": ["gsm8k"], "budgets": [block_size], "precisions": ["bf16"], "methods": ["dflash"],
-        "concurrency": [1], "num_prompts": 4, "max_tokens": 64, "warmup_requests": 1})
-    recipe = recipe.model_copy(update={"validation": validation})
+    recipe = reference_recipe_with(workloads=["gsm8k"], budgets=[block_size], precisions=["bf16"], methods=["dflash"],
+                                   backends=["vllm"], concurrency=[1], num_prompts=4, max_tokens=64, warmup_requests=1)
+    validation = recipe.validation
     prompts = load_prompts("gsm8k", validation.num_prompts, validation.seed)
 
     served = serve_matrix(recipe, {"bf16": reference_target}, REFERENCE_DRAFTER, {"gsm8k": prompts},

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pipeline.recipe import load_recipe
+from pipeline.recipe import SERVED_SUBSET, load_recipe
 from pipeline.stages import run_pipeline
 from tests.conftest import RECIPES, REFERENCE_TARGET
 
@@ -23,25 +23,32 @@ pytestmark = pytest.mark.slow
 BUDGET = 8
 
 
-def reference_recipe(tmp_path, **validation) -> str:
+def reference_recipe(tmp_path, served: str = "", **validation) -> str:
+    """The reference recipe's text with these [validation] keys; vLLM serves all of that matrix, or the
+    subset `served` names ([serving] lines)."""
     text = (RECIPES / "reference-cpu.toml").read_text().replace('path = "../models/', f'path = "{RECIPES.parent}/models/')
     settings = {"workloads": '["gsm8k"]', "budgets": f"[{BUDGET}]", "backends": '["reference", "vllm"]',
                 "num_prompts": "3", "max_tokens": "64", "warmup_requests": "1", **validation}
-    lines = []
+    lines, section = [], ""
     for line in text.splitlines():
         key = line.split("=")[0].strip()
-        if key in settings and not line.startswith("#"):
+        if line.startswith("["):
+            section = line.strip()
+        elif section == "[serving]" and key in SERVED_SUBSET:
+            continue
+        elif section == "[validation]" and key in settings:
             line = f"{key} = {settings.pop(key)}"
         lines.append(line)
     text = "\n".join(lines).replace("[validation]\n", "[validation]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
-    return text
+    return text.replace("[serving]\n", f"[serving]\n{served}")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     assert (REFERENCE_TARGET / "config.json").is_file(), "reference target missing: run `make install`"
     folder = tmp_path_factory.mktemp("vllm-validate")
-    (folder / "recipe.toml").write_text(reference_recipe(folder))
+    # vLLM serves the first 3 of the reference backend's 4 prompts, as the demo recipe serves a subset
+    (folder / "recipe.toml").write_text(reference_recipe(folder, served="num_prompts = 3\n", num_prompts="4"))
     run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out", until="validate")
     return json.loads((folder / "out" / "validate" / "report.json").read_text()), folder / "out"
 
@@ -85,6 +92,8 @@ def test_report_has_the_serving_tables_and_figures(served):
     assert "Throughput speedup over AR, bf16 target, concurrency 1" in text
     assert "Served vs measured acceptance length" in text and "MXFP4 throughput over bf16" in text
     assert "Where the speed went (vLLM)" in text
+    assert "vLLM served gsm8k, 3 prompts per workload (the first of the prompts above). Servers ran eager" in text
+    assert "4 prompts per workload" in text  # the reference backend's acceptance tables
     for figure in ("speedup.png", "throughput_lift.png"):
         assert (out / "validate" / figure).read_bytes()[:4] == b"\x89PNG"
     assert {p.parent.name for p in (out / "validate" / "cells").glob("serve-*/server.log")} == \
