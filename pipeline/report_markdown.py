@@ -125,12 +125,13 @@ def served_subset_line(report: ValidateReport) -> str:
     """What vLLM served, and how: the serving tables may cover a subset of the acceptance tables."""
     s, rows = report.settings, report.serving
     workloads = list(dict.fromkeys(r.workload for r in rows))
-    prompts = sorted({r.num_prompts for r in rows})
-    line = (f"vLLM served {', '.join(workloads)}, {' or '.join(map(str, prompts))} prompts per workload"
-            + (" (the first of the prompts above)" if prompts != [s.num_prompts] else "") + ".")
+    prompts = " or ".join(map(str, sorted({r.num_prompts for r in rows})))
+    line = f"vLLM served {', '.join(workloads)}, " + (
+        f"{prompts} prompts per workload." if prompts == str(s.num_prompts) else
+        f"the first {prompts} of the {s.num_prompts} prompts per workload above.")
     if s.enforce_eager:
-        line += (" Servers ran eager (`--enforce-eager`, no torch.compile): they start in seconds, and their "
-                 "throughput is below what a compiled server reaches.")
+        line += (" Servers ran eager (`--enforce-eager`, no torch.compile): they start sooner and step more slowly "
+                 "than compiled servers.")
     return line + "\n"
 
 

@@ -2,7 +2,7 @@
 bf16 and the MXFP4 target (the MXFP4 one through mxspec's CPU MXFP4 plugin). Served throughput is
 positive, served acceptance lies in [1, B] and agrees with the reference backend on the same prompts,
 and DFlash's greedy tokens equal AR's. A server killed mid-run fails validate with one line and no
-report. Slow: each server takes minutes to start on this CPU."""
+report, and Ctrl-C on Ray stops every server. Slow: each server takes a minute or more on this CPU."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from pipeline.recipe import SERVED_SUBSET, load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import RECIPES, REFERENCE_TARGET
+from tests.conftest import RECIPES, REFERENCE_TARGET, cli_env
 
 pytestmark = pytest.mark.slow
 BUDGET = 8
@@ -92,7 +94,7 @@ def test_report_has_the_serving_tables_and_figures(served):
     assert "Throughput speedup over AR, bf16 target, concurrency 1" in text
     assert "Served vs measured acceptance length" in text and "MXFP4 throughput over bf16" in text
     assert "Where the speed went (vLLM)" in text
-    assert "vLLM served gsm8k, 3 prompts per workload (the first of the prompts above). Servers ran eager" in text
+    assert "vLLM served gsm8k, the first 3 of the 4 prompts per workload above. Servers ran eager" in text
     assert "4 prompts per workload" in text  # the reference backend's acceptance tables
     for figure in ("speedup.png", "throughput_lift.png"):
         assert (out / "validate" / figure).read_bytes()[:4] == b"\x89PNG"
@@ -117,8 +119,84 @@ def test_a_serving_cell_runs_through_the_ray_executor(served, tmp_path):
     here = json.loads((local / ".mxspec" / "cells" / cell / "result.json").read_text())
     assert on_ray["tokens"] == here["tokens"] and on_ray["per_prompt"] == here["per_prompt"]
     assert on_ray["rows"][0]["throughput_tok_s"] > 0
-    assert "POST /v1/chat/completions" in (out / ".mxspec" / "logs" / "servers" / f"mxfp4-dflash-b{BUDGET}.log").read_text()
+    log = (out / ".mxspec" / "logs" / "servers" / f"mxfp4-dflash-b{BUDGET}.log").read_text()
+    assert "POST /v1/chat/completions" in log
+    assert "VLLM_CPU_OMP_THREADS_BIND='nobind'" in log  # a CPU cell's server does not pin the node's first cores
     assert (out / "validate" / "cells" / cell / "server.log").is_file()
+
+
+def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group) while two serving cells run as Ray tasks: exit
+    130 in one line, every server and every Ray process of the study gone, no report, nothing kept."""
+    import shutil
+
+    _, local = served
+    out = tmp_path / "out"
+    shutil.copytree(local, out, ignore=shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock"))
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', precisions='["bf16"]', num_prompts="12",
+                                       max_tokens="256")
+                      + "\n[cluster]\nexecutor = 'ray'\ndevice = 'cpu'\ncpus_per_cell = 1\n")
+    before = _pids("vllm.entrypoints.openai.api_server") | _pids("raylet")
+    validate = subprocess.Popen([sys.executable, "-c", "from pipeline.cli import main; main()", "validate", str(recipe),
+                                 "--out", str(out)], env=cli_env(), cwd=RECIPES.parent, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Both cells' servers answering: one core each, unpinned (ray_cells.CPU_CELL_ENV)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and validate.poll() is None:
+            servers = {pid: cmd for pid, cmd in _processes("vllm.entrypoints.openai.api_server") if pid not in before}
+            ports = [cmd.split("--port ")[1].split()[0] for cmd in servers.values() if "--port " in cmd]
+            if len(ports) == 2 and all(_answers(f"http://127.0.0.1:{port}/health") for port in ports):
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"the two servers never answered at once (validate exit code {validate.poll()})")
+        time.sleep(3)  # requests in flight
+        os.killpg(validate.pid, signal.SIGINT)
+        _, stderr = validate.communicate(timeout=120)
+    finally:
+        if validate.poll() is None:
+            os.killpg(validate.pid, signal.SIGKILL)
+    assert validate.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (left := _pids("vllm.entrypoints.openai.api_server") | _pids("raylet")
+                                           | set(_ray_workers())) - before:
+        time.sleep(1)
+    assert not left - before, f"still running after Ctrl-C: {sorted(left - before)}"
+    assert servers.keys() and not (out / "validate").exists()
+    assert not list((out / ".mxspec" / "cells").glob("serve-*/cell.json"))  # cancelled cells are not kept
+
+
+def _processes(fragment: str):
+    """(pid, command line) of each other process whose command line contains `fragment`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fragment in line and int(cmdline.parent.name) != os.getpid():
+            yield int(cmdline.parent.name), line
+
+
+def _pids(fragment: str) -> set[int]:
+    return {pid for pid, _ in _processes(fragment)}
+
+
+def _ray_workers():
+    return (pid for pid, line in _processes("ray::") if line.startswith("ray::"))
+
+
+def _answers(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path, reference_target):
