@@ -172,8 +172,8 @@ class Serving(_Section):
     num_prompts: Annotated[int, Field(ge=1, le=MAX_PROMPTS)] | None = Field(
         None, description="the first N of validation's prompts per workload; default: validation.num_prompts")
     enforce_eager: bool = Field(
-        False, description="serve without torch.compile and graph capture: starts in seconds instead of minutes, "
-        "steps more slowly (a CPU demo's few prompts; never for a throughput study)")
+        False, description="serve without torch.compile and graph capture: on a 2-core CPU a server starts in about "
+        "30 s instead of 1-4 min and steps more slowly (a CPU demo's few prompts; never for a throughput study)")
     env: dict[str, str] = {}
     tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
     max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -282,12 +282,12 @@ class Recipe(_Section):
         if "reference" not in v.backends:
             raise ValueError(f"{key} serves a subset of the study, and without the reference backend nothing measures "
                              f"the rest; add 'reference' to validation.backends, or set validation.{narrowed[0]} instead")
-        for key in ("workloads", "budgets"):
-            chosen = getattr(s, key) or []
-            _no_duplicates(chosen, f"serving.{key}")
-            if extra := [str(x) for x in chosen if x not in getattr(v, key)]:
-                raise ValueError(f"serving.{key} lists {', '.join(extra)}, which validation.{key} does not measure; "
-                                 f"serve a subset of validation.{key} {getattr(v, key)}")
+        for name in ("workloads", "budgets"):
+            chosen = getattr(s, name) or []
+            _no_duplicates(chosen, f"serving.{name}")
+            if extra := [str(x) for x in chosen if x not in getattr(v, name)]:
+                raise ValueError(f"serving.{name} lists {', '.join(extra)}, which validation.{name} does not measure; "
+                                 f"serve a subset of validation.{name} {getattr(v, name)}")
         if s.num_prompts is not None and s.num_prompts > v.num_prompts:
             raise ValueError(f"serving.num_prompts = {s.num_prompts} is more than validation.num_prompts = "
                              f"{v.num_prompts}; serve at most the prompts the reference backend measures")

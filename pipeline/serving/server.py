@@ -112,7 +112,7 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
         self.process: subprocess.Popen | None = None
-        self.watchdog: subprocess.Popen | None = None  # stops the server if this process is killed
+        self.watchdog: int | None = None  # pid of the process that stops the server if this one is killed
 
     @property
     def base_url(self) -> str:
@@ -190,12 +190,7 @@ class VllmServer:
             else:
                 continue
             break
-        if self.watchdog is not None:  # it exits once the group is gone
-            try:
-                self.watchdog.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.watchdog.kill()
-                self.watchdog.wait()
+        # The watchdog exits by itself once the group is gone.
 
     def __enter__(self) -> VllmServer:
         try:

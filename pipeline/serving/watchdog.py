@@ -5,6 +5,10 @@ that exits normally stops them itself; one that is SIGKILLed cannot, and a lefto
 GPU. So each group gets a watchdog: a small process in a session of its own that polls the driver and,
 once the driver is gone, sends the group SIGTERM and then SIGKILL. It exits by itself when the group
 is gone. Run as `python -m pipeline.serving.watchdog DRIVER_PID GROUP_ID`.
+
+The watchdog detaches (it forks, and the parent exits), so it is not a child of the driver: a Ray
+worker that is cancelled or dies has its direct children killed by Ray, the server's leader among them,
+and a watchdog killed with it would leave the engine processes running, each holding GBs.
 """
 
 from __future__ import annotations
@@ -55,14 +59,21 @@ def watch(driver: int, group: int) -> None:
         time.sleep(POLL_S)
 
 
-def start_watched_group(command: list[str], **popen) -> tuple[subprocess.Popen, subprocess.Popen]:
-    """Start `command` as the leader of a new process group, and its watchdog; returns both."""
+def start_watched_group(command: list[str], **popen) -> tuple[subprocess.Popen, int]:
+    """Start `command` as the leader of a new process group, and its detached watchdog; returns the
+    leader and the watchdog's pid."""
     process = subprocess.Popen(command, start_new_session=True, **popen)
-    watchdog = subprocess.Popen([sys.executable, "-m", "pipeline.serving.watchdog", str(os.getpid()), str(process.pid)],
-                                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    return process, watchdog
+    launcher = subprocess.run([sys.executable, "-m", "pipeline.serving.watchdog", str(os.getpid()), str(process.pid)],
+                              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, check=True)
+    return process, int(launcher.stdout)
 
 
 if __name__ == "__main__":
+    if pid := os.fork():  # the launcher says who watches, and exits: the watchdog is nobody's child
+        print(pid, flush=True)
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # let go of the launcher's pipe, or its reader waits for this process to end
+        os.dup2(null, fd)
     watch(int(sys.argv[1]), int(sys.argv[2]))

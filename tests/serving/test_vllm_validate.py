@@ -127,7 +127,8 @@ def test_a_serving_cell_runs_through_the_ray_executor(served, tmp_path):
 
 def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_path):
     """Ctrl-C (SIGINT to the foreground process group) while two serving cells run as Ray tasks: exit
-    130 in one line, every server and every Ray process of the study gone, no report, nothing kept."""
+    130 in one line, every server (engine processes too) and every Ray process of the study gone, no
+    report, nothing kept."""
     import shutil
 
     _, local = served
@@ -137,7 +138,7 @@ def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_pat
     recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', precisions='["bf16"]', num_prompts="12",
                                        max_tokens="256")
                       + "\n[cluster]\nexecutor = 'ray'\ndevice = 'cpu'\ncpus_per_cell = 1\n")
-    before = _pids("vllm.entrypoints.openai.api_server") | _pids("raylet")
+    before = _pids("vllm.entrypoints.openai.api_server") | _pids("VLLM::") | _pids("raylet")
     validate = subprocess.Popen([sys.executable, "-c", "from pipeline.cli import main; main()", "validate", str(recipe),
                                  "--out", str(out)], env=cli_env(), cwd=RECIPES.parent, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -161,8 +162,8 @@ def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_pat
     assert validate.returncode == 130, stderr[-2000:]
     assert "interrupted" in stderr and "Traceback" not in stderr
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (left := _pids("vllm.entrypoints.openai.api_server") | _pids("raylet")
-                                           | set(_ray_workers())) - before:
+    while time.monotonic() < deadline and (left := _pids("vllm.entrypoints.openai.api_server") | _pids("VLLM::")
+                                           | _pids("raylet") | set(_ray_workers())) - before:
         time.sleep(1)
     assert not left - before, f"still running after Ctrl-C: {sorted(left - before)}"
     assert servers.keys() and not (out / "validate").exists()
