@@ -33,4 +33,5 @@ elif [ "$status" -eq 1 ] && [ -f runs/demo/gate/verdict.json ]; then
   "$BIN/mxspec" publish "$RECIPE=runs/demo" --dry-run --force
   status=0
 fi
+echo "demo: ${SECONDS} s after install (the limit is 25 min from a fresh clone, install included)"
 exit "$status"
