@@ -113,6 +113,17 @@ def validate_killed_once_a_cell_is_kept(recipe: Path, out: Path, *extra: str) ->
     return command
 
 
+def processes(fragment: str):
+    """(pid, command line) of each other process whose command line contains `fragment`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fragment in line and int(cmdline.parent.name) != os.getpid():
+            yield int(cmdline.parent.name), line
+
+
 def cli_env() -> dict[str, str]:
     """The environment of an mxspec subprocess that imports this checkout's code."""
     return {**os.environ, "PYTHONPATH": str(ROOT)}

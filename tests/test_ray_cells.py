@@ -19,7 +19,7 @@ import ray
 from pipeline.cells import TIMING_FILE, Cell, CellStore, run_cells
 from pipeline.recipe import Cluster, load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import ROOT, cli_env, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
+from tests.conftest import ROOT, cli_env, processes, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def test_a_worker_killed_mid_cell_is_run_again_and_the_study_completes(local, tw
 
     def kill_the_first_cell_worker() -> None:
         while not stop.is_set() and not killed:
-            for pid, title in _ray_task_processes():
+            for pid, title in processes("ray::reference-bf16-"):
                 if title.startswith("ray::reference-bf16-"):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(title)
@@ -199,13 +199,3 @@ def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, t
     for name in files:
         assert (tmp_path / "on-ray" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
     assert on_ray.quantized_layers == here.quantized_layers > 0
-
-
-def _ray_task_processes():
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            title = cmdline.read_bytes().split(b"\0")[0].decode(errors="replace").strip()
-        except OSError:
-            continue
-        if title.startswith("ray::"):
-            yield int(cmdline.parent.name), title

@@ -13,13 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from pipeline.recipe import SERVED_SUBSET, load_recipe
 from pipeline.stages import run_pipeline
-from tests.conftest import RECIPES, REFERENCE_TARGET, cli_env
+from tests.conftest import RECIPES, REFERENCE_TARGET, cli_env, processes
 
 pytestmark = pytest.mark.slow
 BUDGET = 8
@@ -146,7 +145,7 @@ def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_pat
         # Both cells' servers answering: one core each, unpinned (ray_cells.CPU_CELL_ENV)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and validate.poll() is None:
-            servers = {pid: cmd for pid, cmd in _processes("vllm.entrypoints.openai.api_server") if pid not in before}
+            servers = {pid: cmd for pid, cmd in processes("vllm.entrypoints.openai.api_server") if pid not in before}
             ports = [cmd.split("--port ")[1].split()[0] for cmd in servers.values() if "--port " in cmd]
             if len(ports) == 2 and all(_answers(f"http://127.0.0.1:{port}/health") for port in ports):
                 break
@@ -170,23 +169,12 @@ def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_pat
     assert not list((out / ".mxspec" / "cells").glob("serve-*/cell.json"))  # cancelled cells are not kept
 
 
-def _processes(fragment: str):
-    """(pid, command line) of each other process whose command line contains `fragment`."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fragment in line and int(cmdline.parent.name) != os.getpid():
-            yield int(cmdline.parent.name), line
-
-
 def _pids(fragment: str) -> set[int]:
-    return {pid for pid, _ in _processes(fragment)}
+    return {pid for pid, _ in processes(fragment)}
 
 
 def _ray_workers():
-    return (pid for pid, line in _processes("ray::") if line.startswith("ray::"))
+    return (pid for pid, line in processes("ray::") if line.startswith("ray::"))
 
 
 def _answers(url: str) -> bool:
