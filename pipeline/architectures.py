@@ -12,7 +12,7 @@ Checkpoint names versus the transformers model (transformers 5.x):
   including the MoE's fused `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj`
   [E, H, I] (no `.weight` suffix).
 - The checkpoint also holds the multi-token-prediction head `mtp.*`, which transformers does not
-  instantiate (it ignores `^mtp.*` on load). `mtp_tensor_shapes` supplies it: `mtp.fc` [H, 2H], three
+  instantiate (it ignores `^mtp.*` on load). `mtp_tensor_shapes` (`pipeline.memory`) supplies it: `mtp.fc` [H, 2H], three
   norms, and `mtp.layers.0.*` = one full-attention decoder layer; in MoE checkpoints its routed
   experts are stored PER EXPERT: `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`.
 - The text-only classes (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) name the language model
@@ -25,19 +25,14 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.checkpoint import (
-    linear_layers_from_tensors,
-    split_fused_experts,
-    text_config,
-)
-
-DATA_DIR = Path(__file__).with_name("architectures_data")
+from pipeline.architecture_data import DATA_DIR
+from pipeline.checkpoint import linear_layers_from_tensors
+from pipeline.memory import mtp_tensor_shapes
 
 TARGETS: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-35b-a3b")
 DRAFTERS: dict[str, str] = {
@@ -112,54 +107,6 @@ def meta_model(name: str) -> nn.Module:
         if type(model).__name__ != expected:  # pragma: no cover - transformers changed its auto mapping
             model = _target_model_class(expected)._from_config(cfg)
     return model
-
-
-def _decoder_layer_class(model_type: str) -> type[nn.Module]:
-    if model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
-
-        return Qwen3_5MoeDecoderLayer
-    if model_type in ("qwen3_5_text", "qwen3_5"):
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
-
-        return Qwen3_5DecoderLayer
-    raise ValueError(f"no MTP layout known for model_type {model_type!r}")
-
-
-def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the `mtp.*` tensors a real Qwen3.5 checkpoint carries.
-
-    `config` is a target config.json (multimodal or text-only). The MTP layer is one full-attention
-    decoder layer; routed experts are stored per expert (`experts.{e}.{gate,up,down}_proj.weight`),
-    which vLLM's Qwen3.5 MTP loader reads as well as the fused form.
-    """
-    text = text_config(config)
-    num_layers = int(text.get("mtp_num_hidden_layers", 1) or 0)
-    if num_layers == 0:
-        return {}
-    hidden = int(text["hidden_size"])
-    text_cfg = hf_config(text)
-    layer_types = list(text_cfg.layer_types)
-    full_idx = layer_types.index("full_attention")
-    with torch.device("meta"):
-        layer = _decoder_layer_class(text["model_type"])(text_cfg, full_idx)
-    layer_shapes: dict[str, tuple[int, ...]] = {}
-    for key, tensor in layer.state_dict().items():
-        pieces = split_fused_experts(key, tuple(tensor.shape))
-        if pieces is None:
-            layer_shapes[key] = tuple(tensor.shape)
-        else:
-            layer_shapes.update((piece.name, piece.shape) for piece in pieces)
-    shapes: dict[str, tuple[int, ...]] = {
-        "mtp.fc.weight": (hidden, 2 * hidden),
-        "mtp.norm.weight": (hidden,),
-        "mtp.pre_fc_norm_embedding.weight": (hidden,),
-        "mtp.pre_fc_norm_hidden.weight": (hidden,),
-    }
-    for idx in range(num_layers):
-        for key, shape in layer_shapes.items():
-            shapes[f"mtp.layers.{idx}.{key}"] = shape
-    return shapes
 
 
 @lru_cache(maxsize=None)

@@ -183,9 +183,34 @@ def _recipe_table(path: Path, recipe: Recipe) -> Table:
            "auto": f"its server's GPUs (or {recipe.cluster.cpus_per_cell} CPUs on a cluster without GPUs)"}[recipe.cluster.device],
         "publish": recipe.publish.repo_id or "-",
     }
+    rows |= _memory_rows(recipe)
     for key, value in rows.items():
         table.add_row(key, escape(value))
     return table
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _memory_rows(recipe: Recipe) -> dict[str, str]:
+    """Sizes from the configs alone, `auto`'s quantize mode here, and the one-MI355X fit (pipeline.memory)."""
+    from pipeline.memory import IN_MEMORY_FACTOR, plan_recipe
+
+    plan = plan_recipe(recipe)
+    if plan is None:
+        return {"memory plan": "- (Qwen3.5 targets only: this target is not one, or its config is not known here)"}
+    per_gpu = int(plan.gpu_bytes * plan.gpu_memory_utilization)
+    return {
+        "sizes": f"target bf16 {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; "
+                 f"drafter {_size(plan.drafter_bytes)}",
+        "auto mode here": f"{plan.quantize_mode_here} ({_size(plan.available_bytes)} free; in memory needs "
+                          f"{IN_MEMORY_FACTOR} x the bf16 size)",
+        "one MI355X": f"{'fits' if plan.fits else 'does not fit'}: {_size(plan.need_bytes_per_gpu)} of "
+                      f"{_size(per_gpu)} per GPU for the weights and one {plan.max_model_len}-token sequence "
+                      f"(TP {plan.tensor_parallel_size}, utilization {plan.gpu_memory_utilization}); "
+                      f"{plan.full_length_sequences} such sequences at once",
+    }
 
 
 @app.command()

@@ -51,6 +51,18 @@ def default_exclusions(model_type: str, quantize_mtp: bool = False) -> list[str]
     return [p for p in patterns if p != MTP_PATTERN] if quantize_mtp else patterns
 
 
+def exclusion_patterns(layers: list[str], model_type: str, exclude: list[str] | None, quantize_mtp: bool) -> list[str]:
+    """The patterns a recipe's [quantization] means for a model with these Linear layers: its `exclude`
+    (plus the MTP head unless `quantize_mtp`), or the family defaults that apply to this variant."""
+    if exclude is None:
+        # A family default that does not apply to this variant (no visual tower, no MTP) is dropped.
+        return [p for p in default_exclusions(model_type, quantize_mtp) if excluded_layers(layers, [p])]
+    patterns = list(exclude)
+    if not quantize_mtp and excluded_layers(layers, [MTP_PATTERN]) and MTP_PATTERN not in patterns:
+        patterns.append(MTP_PATTERN)
+    return patterns
+
+
 def excluded_layers(layers: Iterable[str], patterns: Iterable[str]) -> set[str]:
     patterns = list(patterns)
     return {name for name in layers if any(fnmatch.fnmatchcase(name, p) for p in patterns)}

@@ -31,13 +31,9 @@ from pipeline.checkpoint import (
     write_index,
 )
 from pipeline.errors import BadInputError, ExternalError
-from pipeline.exclusions import (
-    MTP_PATTERN,
-    check_exclusions,
-    default_exclusions,
-    excluded_layers,
-)
+from pipeline.exclusions import check_exclusions, excluded_layers, exclusion_patterns
 from pipeline.layout import CHECKPOINT, QUANTIZE_REPORT
+from pipeline.memory import available_memory_bytes, quantize_mode_for
 from pipeline.recipe import Calibration, Cluster, Quantization
 from pipeline.runner import StageContext
 
@@ -50,14 +46,7 @@ CARRIED_OVER = re.compile(r"^mtp\.")
 def plan_exclusions(checkpoint: Checkpoint, spec: Quantization) -> list[str]:
     """The exclude patterns to hand Quark, validated against the checkpoint's layer names."""
     layers = checkpoint.linear_layers()
-    if spec.exclude is None:
-        defaults = default_exclusions(checkpoint.model_type, spec.quantize_mtp)
-        # A family default that does not apply to this variant (no visual tower, no MTP) is dropped.
-        patterns = [p for p in defaults if excluded_layers(layers, [p])]
-    else:
-        patterns = list(spec.exclude)
-        if not spec.quantize_mtp and excluded_layers(layers, [MTP_PATTERN]) and MTP_PATTERN not in patterns:
-            patterns.append(MTP_PATTERN)
+    patterns = exclusion_patterns(layers, checkpoint.model_type, spec.exclude, spec.quantize_mtp)
     check_exclusions(layers, patterns)
     return patterns
 
@@ -66,8 +55,7 @@ def choose_mode(spec: Quantization, checkpoint: Checkpoint) -> str:
     """in_memory when the bf16 model fits comfortably (the model plus its quantized copy), else file_to_file."""
     if spec.mode != "auto":
         return spec.mode
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return "in_memory" if checkpoint.size_bytes * 2.5 < available else "file_to_file"
+    return quantize_mode_for(checkpoint.size_bytes, available_memory_bytes())
 
 
 @dataclass

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pipeline import architectures as arch
-from pipeline.pair import drafter_target_mismatches
+from pipeline.checkpoint import text_config
 from pipeline.dflash import DFlashConfig, DFlashDrafter
+from pipeline.pair import drafter_target_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,7 +201,7 @@ def test_drafter_config_consistent_with_target(target):
     drafter = arch.load_config(arch.DRAFTERS[target])
     config = arch.load_config(target)
     assert drafter_target_mismatches(drafter, config) == []
-    text = arch.text_config(config)
+    text = text_config(config)
     cfg = DFlashConfig.from_dict(drafter)
     assert cfg.hidden_size == text["hidden_size"]
     assert cfg.vocab_size == text["vocab_size"]
@@ -247,7 +248,7 @@ def test_tiny_builder_layout(tiny):
     assert {p.name for p in tiny.iterdir()} == expected  # no temp leftovers
     for name in ("qwen3.5-tiny", "qwen3.5-moe-tiny"):
         config = json.loads((tiny / name / "config.json").read_text())
-        text = arch.text_config(config)
+        text = text_config(config)
         assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
         assert text["linear_key_head_dim"] == text["linear_value_head_dim"] == 128
         assert text["mtp_num_hidden_layers"] == 1
@@ -311,7 +312,7 @@ def test_tiny_drafter_matches_its_target(tiny, name):
     assert drafter_cfg["architectures"] == ["DFlashDraftModel"]
     assert drafter_target_mismatches(drafter_cfg, target) == []
     tokenizer = AutoTokenizer.from_pretrained(tiny / name)
-    assert len(tokenizer) == arch.text_config(target)["vocab_size"]
+    assert len(tokenizer) == text_config(target)["vocab_size"]
     assert tokenizer.convert_ids_to_tokens(drafter_cfg["dflash_config"]["mask_token_id"]) == "<|dflash_mask|>"
     text = "Hello, wörld! 你好"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text

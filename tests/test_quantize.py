@@ -15,6 +15,7 @@ import pytest
 import pipeline.quantize as quantize_module
 from pipeline.checkpoint import read_checkpoint
 from pipeline.errors import BadInputError, ExternalError
+from pipeline.memory import checkpoint_tensors, mxfp4_bytes
 from pipeline.quantize import choose_mode, plan_exclusions, quantize_checkpoint
 from pipeline.recipe import Calibration, Quantization
 
@@ -84,6 +85,16 @@ def _quantized_tensors(folder: Path) -> dict[str, bytes]:
     return {norm(n): tensors[n].numpy().tobytes() + tensors[n + "_scale"].numpy().tobytes() for n in names}
 
 
+SAFETENSORS_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 @pytest.mark.parametrize("scheme", ["mxfp4", "mxfp4_weight_only"])
@@ -105,6 +116,10 @@ def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, sc
         assert any(n.startswith("mtp.") for n in exported.tensors), "the MTP head was not carried over"
         assert not any(n.startswith("mtp.") and n.endswith("_scale") for n in exported.tensors)
         assert not any("conv1d" in n and n.endswith("_scale") for n in exported.tensors)
+        # pipeline.memory sizes the export from the source config alone, to the byte
+        source_config = json.loads((tiny / name / "config.json").read_text())
+        assert sum(_numel(shape) * SAFETENSORS_BYTES[dtype] for shape, dtype, _ in exported.tensors.values()) == \
+            mxfp4_bytes(checkpoint_tensors(source_config), summary.exclude)
         if "moe" in name:
             experts = summary.verification["moe_experts_quantized"]
             assert experts == 4 * 8 * 3  # 4 layers x 8 experts x gate/up/down

@@ -1,0 +1,327 @@
+"""How big a Qwen3.5 target is in bf16 and in MXFP4, and whether its MXFP4 export plus its drafter fit
+one MI355X, from config.json alone (no weights, no torch).
+
+`checkpoint_tensors` spells out every tensor a Qwen3.5 checkpoint carries (the language model, lm_head,
+the vision tower, the MTP head) from the config. Tests hold it to transformers' own layout on the meta
+device (`pipeline.architectures`) name for name and shape for shape, and to the tiny checkpoints'
+safetensors headers.
+
+Bytes:
+  bf16    2 per element.
+  mxfp4   a quantized Linear weight [out, in] takes out*in/2 bytes of packed e2m1 and out*in/32 e8m0
+          scales (`pipeline.mxfp4`); every other tensor, and every Linear the exclusion patterns keep,
+          stays bf16.
+Serving one sequence of L tokens holds, besides the weights: bf16 K and V for each full-attention layer
+of the target (and of its MTP layer, and of the DFlash drafter) per token, and for each gated-delta-net
+layer a float32 recurrent state [value heads, key dim, value dim] plus a bf16 convolution state
+[conv dim, kernel - 1]. Activations, CUDA graphs and fragmentation are not counted. Like vLLM at start-up, a pair fits
+when the weights and one sequence of `max_model_len` tokens fit in `gpu_memory_utilization` of the GPUs;
+the plan also says how many such sequences fit at once (shorter ones share the rest).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.checkpoint import split_fused_experts, text_config
+from pipeline.exclusions import excluded_layers
+from pipeline.mxfp4 import GROUP_SIZE
+
+MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet (288 GB)
+BF16_BYTES = 2
+FLOAT32_BYTES = 4
+# A bf16 checkpoint quantizes in memory when this many times its size is free: the model, its quantized
+# copy and Quark's working set. `quantize.choose_mode` applies it.
+IN_MEMORY_FACTOR = 2.5
+
+
+def _full_attention(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads, kv, head_dim = (int(text[k]) for k in ("hidden_size", "num_attention_heads",
+                                                         "num_key_value_heads", "head_dim"))
+    gate = 2 if text.get("attn_output_gate") else 1  # the output gate doubles q_proj's rows
+    return {f"{prefix}.self_attn.q_proj.weight": (heads * head_dim * gate, hidden),
+            f"{prefix}.self_attn.k_proj.weight": (kv * head_dim, hidden),
+            f"{prefix}.self_attn.v_proj.weight": (kv * head_dim, hidden),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{prefix}.self_attn.q_norm.weight": (head_dim,),
+            f"{prefix}.self_attn.k_norm.weight": (head_dim,)}
+
+
+def _gated_delta_net(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden = int(text["hidden_size"])
+    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    p = f"{prefix}.linear_attn"
+    return {f"{p}.dt_bias": (v_heads,), f"{p}.A_log": (v_heads,),
+            f"{p}.conv1d.weight": (conv_dim, 1, int(text["linear_conv_kernel_dim"])),
+            f"{p}.norm.weight": (v_dim,),
+            f"{p}.out_proj.weight": (hidden, v_heads * v_dim),
+            f"{p}.in_proj_qkv.weight": (conv_dim, hidden),
+            f"{p}.in_proj_z.weight": (v_heads * v_dim, hidden),
+            f"{p}.in_proj_b.weight": (v_heads, hidden),
+            f"{p}.in_proj_a.weight": (v_heads, hidden)}
+
+
+def _mlp(prefix: str, text: dict[str, Any], per_expert: bool) -> dict[str, tuple[int, ...]]:
+    hidden = int(text["hidden_size"])
+    p = f"{prefix}.mlp"
+    if "num_experts" not in text:
+        inter = int(text["intermediate_size"])
+        return {f"{p}.gate_proj.weight": (inter, hidden), f"{p}.up_proj.weight": (inter, hidden),
+                f"{p}.down_proj.weight": (hidden, inter)}
+    experts, inter, shared = (int(text[k]) for k in ("num_experts", "moe_intermediate_size",
+                                                    "shared_expert_intermediate_size"))
+    shapes: dict[str, tuple[int, ...]] = {f"{p}.gate.weight": (experts, hidden)}
+    if per_expert:  # how MTP layers store them
+        for e in range(experts):
+            shapes |= {f"{p}.experts.{e}.gate_proj.weight": (inter, hidden),
+                       f"{p}.experts.{e}.up_proj.weight": (inter, hidden),
+                       f"{p}.experts.{e}.down_proj.weight": (hidden, inter)}
+    else:
+        shapes |= {f"{p}.experts.gate_up_proj": (experts, 2 * inter, hidden),
+                   f"{p}.experts.down_proj": (experts, hidden, inter)}
+    return shapes | {f"{p}.shared_expert.gate_proj.weight": (shared, hidden),
+                     f"{p}.shared_expert.up_proj.weight": (shared, hidden),
+                     f"{p}.shared_expert.down_proj.weight": (hidden, shared),
+                     f"{p}.shared_expert_gate.weight": (1, hidden)}
+
+
+def _decoder_layer(prefix: str, text: dict[str, Any], kind: str, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
+    hidden = int(text["hidden_size"])
+    mixer = _full_attention(prefix, text) if kind == "full_attention" else _gated_delta_net(prefix, text)
+    return mixer | _mlp(prefix, text, per_expert) | {f"{prefix}.input_layernorm.weight": (hidden,),
+                                                     f"{prefix}.post_attention_layernorm.weight": (hidden,)}
+
+
+def _vision_tower(vision: dict[str, Any], prefix: str = "model.visual") -> dict[str, tuple[int, ...]]:
+    hidden, inter, depth = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["depth"])
+    patch, temporal, channels = int(vision["patch_size"]), int(vision["temporal_patch_size"]), int(vision["in_channels"])
+    merged = hidden * int(vision["spatial_merge_size"]) ** 2
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}.patch_embed.proj.weight": (hidden, channels, temporal, patch, patch),
+        f"{prefix}.patch_embed.proj.bias": (hidden,),
+        f"{prefix}.pos_embed.weight": (int(vision["num_position_embeddings"]), hidden)}
+    for i in range(depth):
+        b = f"{prefix}.blocks.{i}"
+        shapes |= {f"{b}.norm1.weight": (hidden,), f"{b}.norm1.bias": (hidden,),
+                   f"{b}.norm2.weight": (hidden,), f"{b}.norm2.bias": (hidden,),
+                   f"{b}.attn.qkv.weight": (3 * hidden, hidden), f"{b}.attn.qkv.bias": (3 * hidden,),
+                   f"{b}.attn.proj.weight": (hidden, hidden), f"{b}.attn.proj.bias": (hidden,),
+                   f"{b}.mlp.linear_fc1.weight": (inter, hidden), f"{b}.mlp.linear_fc1.bias": (inter,),
+                   f"{b}.mlp.linear_fc2.weight": (hidden, inter), f"{b}.mlp.linear_fc2.bias": (hidden,)}
+    out = int(vision["out_hidden_size"])
+    return shapes | {f"{prefix}.merger.norm.weight": (hidden,), f"{prefix}.merger.norm.bias": (hidden,),
+                     f"{prefix}.merger.linear_fc1.weight": (merged, merged), f"{prefix}.merger.linear_fc1.bias": (merged,),
+                     f"{prefix}.merger.linear_fc2.weight": (out, merged), f"{prefix}.merger.linear_fc2.bias": (out,)}
+
+
+def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The `mtp.*` tensors: `fc` [H, 2H], three norms and full-attention decoder layers whose routed
+    experts are stored per expert (as Qwen3.5-35B-A3B's checkpoint has them)."""
+    text = text_config(config)
+    hidden = int(text["hidden_size"])
+    layers = int(text.get("mtp_num_hidden_layers", 0) or 0)
+    if layers == 0:
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
+                                          "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                                          "mtp.pre_fc_norm_hidden.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= _decoder_layer(f"mtp.layers.{i}", text, "full_attention", per_expert=True)
+    return shapes
+
+
+def checkpoint_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen3.5 checkpoint (dense or MoE, with or without a vision tower): name -> shape."""
+    text = text_config(config)
+    multimodal = "vision_config" in config
+    lm = "model.language_model"  # as Qwen3.5 checkpoints name it, text-only ones too
+    hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+    shapes: dict[str, tuple[int, ...]] = {f"{lm}.embed_tokens.weight": (vocab, hidden)}
+    for i, kind in enumerate(text["layer_types"]):
+        shapes |= _decoder_layer(f"{lm}.layers.{i}", text, kind)
+    shapes[f"{lm}.norm.weight"] = (hidden,)
+    if not (text.get("tie_word_embeddings") or config.get("tie_word_embeddings")):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    if multimodal:
+        shapes |= _vision_tower(config["vision_config"])
+    return shapes | mtp_tensor_shapes(config)
+
+
+def drafter_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A DFlash drafter's own tensors (z-lab's DFlashDraftModel): it borrows the target's embedding and
+    lm_head. `fc` maps the concatenated target layers' hidden states to the drafter's width."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    taps = len(config["dflash_config"]["target_layer_ids"])
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (hidden, taps * hidden), "hidden_norm.weight": (hidden,),
+                                          "norm.weight": (hidden,)}
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"layers.{i}"
+        shapes |= {f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+                   f"{p}.self_attn.k_proj.weight": (kv * head_dim, hidden),
+                   f"{p}.self_attn.v_proj.weight": (kv * head_dim, hidden),
+                   f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+                   f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,),
+                   f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
+                   f"{p}.mlp.down_proj.weight": (hidden, inter),
+                   f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,)}
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def bf16_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
+    return sum(_numel(shape) for shape in tensors.values()) * BF16_BYTES
+
+
+def mxfp4_bytes(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
+    """The MXFP4 export's tensor bytes: Linear weights not matched by `exclude` packed, the rest bf16."""
+    total = 0
+    for name, shape in tensors.items():
+        pieces = split_fused_experts(name, shape)
+        if pieces is not None:
+            modules = {piece.module: piece.shape for piece in pieces}
+        elif name.endswith(".weight") and len(shape) == 2 and not name.endswith("embed_tokens.weight") \
+                and not name.endswith("pos_embed.weight"):
+            modules = {name.removesuffix(".weight"): shape}
+        else:
+            total += _numel(shape) * BF16_BYTES
+            continue
+        kept = excluded_layers(modules, exclude)
+        for module, (rows, cols) in modules.items():
+            if module in kept or cols % GROUP_SIZE:
+                total += rows * cols * BF16_BYTES
+            else:
+                total += rows * cols // 2 + rows * cols // GROUP_SIZE
+    return total
+
+
+def quantize_mode_for(checkpoint_bytes: int, available_bytes: int) -> Literal["in_memory", "file_to_file"]:
+    """What `mode = "auto"` picks: in memory when the checkpoint fits IN_MEMORY_FACTOR times in free RAM."""
+    return "in_memory" if checkpoint_bytes * IN_MEMORY_FACTOR < available_bytes else "file_to_file"
+
+
+def available_memory_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryPlan(BaseModel):
+    """One recipe's sizes and its one-GPU fit (bytes; GB = 1e9 bytes in what people read)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source_bytes: int  # the bf16 checkpoint's tensors
+    mxfp4_bytes: int
+    drafter_bytes: int
+    quantize_mode_here: Literal["in_memory", "file_to_file"]
+    available_bytes: int
+    max_model_len: int
+    tensor_parallel_size: int
+    kv_bytes_per_token: int  # target + MTP layer + drafter, bf16 K and V
+    state_bytes_per_sequence: int  # gated-delta-net recurrent and convolution states
+    gpu_bytes: int
+    gpu_memory_utilization: float
+    need_bytes_per_gpu: int  # weights and one sequence of max_model_len, split across the GPUs
+    fits: bool
+    full_length_sequences: int  # how many sequences of max_model_len fit at once
+
+
+def kv_bytes_per_token(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: bool) -> int:
+    text = text_config(config)
+    per_layer = 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * BF16_BYTES
+    layers = list(text["layer_types"]).count("full_attention")
+    layers += int(text.get("mtp_num_hidden_layers", 0) or 0) if with_mtp else 0
+    total = layers * per_layer
+    if drafter is not None:
+        heads = int(drafter["num_attention_heads"])
+        head_dim = int(drafter.get("head_dim") or int(drafter["hidden_size"]) // heads)
+        total += int(drafter["num_hidden_layers"]) * 2 * int(drafter["num_key_value_heads"]) * head_dim * BF16_BYTES
+    return total
+
+
+def state_bytes_per_sequence(config: dict[str, Any]) -> int:
+    text = text_config(config)
+    layers = list(text["layer_types"]).count("linear_attention")
+    if layers == 0:
+        return 0
+    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    recurrent = v_heads * k_dim * v_dim * FLOAT32_BYTES
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * (int(text["linear_conv_kernel_dim"]) - 1) * BF16_BYTES
+    return layers * (recurrent + conv)
+
+
+def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude: list[str], *,
+                max_model_len: int | None, tensor_parallel_size: int = 1,
+                gpu_memory_utilization: float = 0.9, with_mtp: bool = True, gpu_bytes: int = MI355X_BYTES,
+                available_bytes: int | None = None) -> MemoryPlan:
+    """Sizes of the target (bf16, MXFP4) and drafter, `auto`'s quantize mode on this machine, and whether
+    the MXFP4 target, its drafter and a sequence of `max_model_len` tokens (the model's own limit when None)
+    fit on `tensor_parallel_size` GPUs of `gpu_bytes` (weights and caches split evenly across them)."""
+    tensors = checkpoint_tensors(config)
+    source, mxfp4 = bf16_bytes(tensors), mxfp4_bytes(tensors, exclude)
+    drafter_size = bf16_bytes(drafter_tensors(drafter)) if drafter is not None else 0
+    length = max_model_len or int(text_config(config)["max_position_embeddings"])
+    kv = kv_bytes_per_token(config, drafter, with_mtp)
+    state = state_bytes_per_sequence(config)
+    weights, sequence = mxfp4 + drafter_size, length * kv + state
+    budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    return MemoryPlan(source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
+                      quantize_mode_here=quantize_mode_for(source, available), available_bytes=available,
+                      max_model_len=length, tensor_parallel_size=tensor_parallel_size,
+                      kv_bytes_per_token=kv, state_bytes_per_sequence=state, gpu_bytes=gpu_bytes,
+                      gpu_memory_utilization=gpu_memory_utilization,
+                      need_bytes_per_gpu=(weights + sequence) // tensor_parallel_size,
+                      fits=weights + sequence <= budget, full_length_sequences=max(0, (budget - weights) // sequence))
+
+
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default when the recipe sets none
+
+
+def recipe_configs(recipe) -> dict[str, dict[str, Any]]:
+    """The target's and drafter's config.json: from a local folder, the local Hub cache, or the config
+    stored for the Hub repo (`pipeline/architectures_data`); a role whose config is known nowhere is absent."""
+    from pipeline.architecture_data import stored_for_repo
+    from pipeline.preflight import model_folder, read_config
+
+    configs = {}
+    for role in ("target", "drafter"):
+        ref = getattr(recipe, role)
+        folder = model_folder(ref, role)
+        if folder is not None:
+            configs[role] = read_config(folder, role)
+        elif ref.id is not None and (stored := stored_for_repo(ref.id)) is not None:
+            configs[role] = {k: v for k, v in stored.items() if k != "source"}
+    return configs
+
+
+def plan_recipe(recipe, available_bytes: int | None = None) -> MemoryPlan | None:
+    """The memory plan of a Qwen3.5 recipe at its `[serving]` max_model_len, tensor parallel size and
+    memory utilization; None when its target's config is not known here or is not a Qwen3.5 layout."""
+    from pipeline.checkpoint import linear_layers_from_tensors
+    from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
+
+    configs = recipe_configs(recipe)
+    target = configs.get("target")
+    if target is None or not str(target.get("model_type", "")).startswith("qwen3_5") \
+            or target["model_type"] not in DEFAULT_EXCLUDE:
+        return None
+    q, s = recipe.quantization, recipe.serving
+    layers = linear_layers_from_tensors(checkpoint_tensors(target))
+    exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)
+    return plan_memory(target, configs.get("drafter"), exclude, max_model_len=s.max_model_len,
+                       tensor_parallel_size=s.tensor_parallel_size,
+                       gpu_memory_utilization=s.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
+                       with_mtp="mtp" in recipe.validation.methods, available_bytes=available_bytes)

@@ -1,0 +1,116 @@
+"""pipeline.memory: a Qwen3.5 checkpoint's tensors, bytes and one-GPU fit from its config alone, held to
+transformers on the meta device, to the tiny checkpoints on disk and to the published totals."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import architectures as arch
+from pipeline import memory
+from pipeline.checkpoint import read_checkpoint, split_fused_experts, text_config
+from pipeline.exclusions import default_exclusions
+
+
+@pytest.mark.parametrize("name", arch.TARGETS)
+def test_the_layout_from_the_config_is_transformers_layout_name_for_name(name):
+    config = arch.load_config(name)
+    assert memory.checkpoint_tensors(config) == arch.checkpoint_tensor_names(name)
+    published = arch.load_source(name)["published"]
+    assert memory.bf16_bytes(memory.checkpoint_tensors(config)) == 2 * published["params"]
+    assert len(memory.mtp_tensor_shapes(config)) == published["tensors_mtp"]
+
+
+@pytest.mark.parametrize("name", arch.TARGETS)
+def test_the_mtp_layer_is_a_full_attention_decoder_layer_of_transformers(name):
+    """The MTP head is not instantiated by transformers; its layer is its full-attention decoder layer,
+    with routed experts stored per expert."""
+    import torch
+
+    config = arch.load_config(name)
+    text = text_config(config)
+    if "moe" in text["model_type"]:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer as Layer
+    else:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer as Layer
+    hf_text = arch.hf_config(text)
+    with torch.device("meta"):
+        layer = Layer(hf_text, list(hf_text.layer_types).index("full_attention"))
+    expected = {}
+    for key, tensor in layer.state_dict().items():
+        pieces = split_fused_experts(key, tuple(tensor.shape))
+        expected |= {key: tuple(tensor.shape)} if pieces is None else {p.name: p.shape for p in pieces}
+    mtp = memory.mtp_tensor_shapes(config)
+    assert {k.removeprefix("mtp.layers.0."): v for k, v in mtp.items() if k.startswith("mtp.layers.0.")} == expected
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
+def test_the_layout_matches_the_tiny_checkpoints_on_disk(tiny, name):
+    on_disk = read_checkpoint(tiny / name)
+    assert memory.checkpoint_tensors(on_disk.config) == {k: shape for k, (shape, _, _) in on_disk.tensors.items()}
+
+
+@pytest.mark.parametrize("name", list(arch.DRAFTERS.values()))
+def test_drafter_parameters_match_the_published_count(name):
+    published = arch.load_source(name)["published"]["params"]
+    assert memory.bf16_bytes(memory.drafter_tensors(arch.load_config(name))) / 2 == pytest.approx(published, rel=1e-3)
+
+
+def test_mxfp4_bytes_pack_half_a_byte_per_weight_plus_a_scale_per_32_and_keep_exclusions_bf16():
+    tensors = {"a.weight": (64, 128), "lm_head.weight": (8, 64), "norm.weight": (64,),
+               "mlp.experts.gate_up_proj": (2, 64, 32), "mlp.experts.down_proj": (2, 32, 32)}
+    packed = 64 * 128 // 2 + 64 * 128 // 32
+    experts = 2 * (64 * 32 // 2 + 64 * 32 // 32) + 2 * (32 * 32 // 2 + 32 * 32 // 32)
+    assert memory.mxfp4_bytes(tensors, ["lm_head"]) == packed + 8 * 64 * 2 + 64 * 2 + experts
+    assert memory.mxfp4_bytes(tensors, ["lm_head", "mlp.experts.*"]) == \
+        packed + 8 * 64 * 2 + 64 * 2 + 2 * (2 * 64 * 32 + 2 * 32 * 32)
+
+
+def test_auto_quantizes_in_memory_only_with_room_for_two_and_a_half_copies():
+    assert memory.quantize_mode_for(10, 26) == "in_memory"
+    assert memory.quantize_mode_for(10, 25) == "file_to_file"
+
+
+def test_the_27b_pair_fits_one_mi355x_and_the_plan_counts_caches_per_token_and_per_sequence():
+    config, drafter = arch.load_config("qwen3.5-27b"), arch.load_config("qwen3.5-27b-dflash")
+    plan = memory.plan_memory(config, drafter, default_exclusions("qwen3_5"), max_model_len=None,
+                              available_bytes=100 * 10**9)
+    text = text_config(config)
+    # 16 full-attention layers + the MTP layer: 4 KV heads x 256; the drafter: 5 layers of 8 KV heads x 128
+    assert plan.kv_bytes_per_token == (16 + 1) * 2 * 4 * 256 * 2 + 5 * 2 * 8 * 128 * 2
+    # 48 gated-delta-net layers: 48 value heads x 128 x 128 float32, conv state 3 x (2*16*128 + 48*128) bf16
+    assert plan.state_bytes_per_sequence == 48 * (48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2)
+    assert plan.max_model_len == text["max_position_embeddings"] == 262144
+    assert plan.quantize_mode_here == "file_to_file"  # 55.6 GB x 2.5 > 100 GB
+    assert 19e9 < plan.mxfp4_bytes < 21e9 and plan.drafter_bytes == 2 * 1730213120
+    sequence = plan.max_model_len * plan.kv_bytes_per_token + plan.state_bytes_per_sequence
+    assert plan.need_bytes_per_gpu == plan.mxfp4_bytes + plan.drafter_bytes + sequence and plan.fits
+    budget = int(memory.MI355X_BYTES * 0.9)
+    assert plan.full_length_sequences == (budget - plan.mxfp4_bytes - plan.drafter_bytes) // sequence
+
+
+def test_a_pair_that_needs_more_than_the_gpus_does_not_fit_and_tensor_parallel_splits_it():
+    config, drafter = arch.load_config("qwen3.5-35b-a3b"), arch.load_config("qwen3.5-35b-a3b-dflash")
+    exclude = default_exclusions("qwen3_5_moe")
+    small = memory.plan_memory(config, drafter, exclude, max_model_len=4096, gpu_bytes=20 * 10**9)
+    assert not small.fits  # 24.6 GB of MXFP4 weights
+    split = memory.plan_memory(config, drafter, exclude, max_model_len=4096, gpu_bytes=20 * 10**9,
+                               tensor_parallel_size=2)
+    assert split.fits and split.need_bytes_per_gpu * 2 == pytest.approx(small.need_bytes_per_gpu, abs=2)
+
+
+def test_the_plan_reads_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.memory as m, pipeline.architecture_data as d;"
+            "m.plan_memory(d.stored_for_repo('Qwen/Qwen3.5-27B'), None, [], max_model_len=8192);"
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_stored_configs_are_found_by_their_hub_repo():
+    from pipeline.architecture_data import stored_for_repo
+
+    assert stored_for_repo("Qwen/Qwen3.5-27B")["source"]["revision"] == arch.load_source("qwen3.5-27b")["revision"]
+    assert stored_for_repo("Qwen/Qwen3.5-1000B") is None
+    assert stored_for_repo("z-lab/Qwen3.5-27B-DFlash")["architectures"] == ["DFlashDraftModel"]
