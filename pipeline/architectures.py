@@ -34,12 +34,14 @@ from pipeline.architecture_data import DATA_DIR
 from pipeline.checkpoint import linear_layers_from_tensors
 from pipeline.memory import mtp_tensor_shapes
 
-TARGETS: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-35b-a3b")
-DRAFTERS: dict[str, str] = {
+TARGETS: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3.5-9b", "qwen3.5-122b-a10b", "qwen3.5-397b-a17b-fp8")
+DRAFTERS: dict[str, str] = {  # target -> its drafter, where both configs are stored
     "qwen3.5-27b": "qwen3.5-27b-dflash",
     "qwen3.5-35b-a3b": "qwen3.5-35b-a3b-dflash",
+    "qwen3.5-122b-a10b": "qwen3.5-122b-a10b-dflash",
 }
-NAMES: tuple[str, ...] = (*TARGETS, *DRAFTERS.values())
+UNPAIRED_DRAFTERS: tuple[str, ...] = ("qwen3.5-4b-dflash",)  # its target's full config was not found
+NAMES: tuple[str, ...] = (*TARGETS, *DRAFTERS.values(), *UNPAIRED_DRAFTERS)
 
 MTP_PREFIX = "mtp."
 

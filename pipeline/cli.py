@@ -195,17 +195,18 @@ def _size(n: int) -> str:
 
 def _memory_rows(recipe: Recipe) -> dict[str, str]:
     """Sizes from the configs alone, `auto`'s quantize mode here, and the one-MI355X fit (pipeline.memory)."""
-    from pipeline.memory import IN_MEMORY_FACTOR, plan_recipe
+    from pipeline.memory import IN_MEMORY_FACTOR
+    from pipeline.preflight import memory_plan
 
-    plan = plan_recipe(recipe)
+    plan = memory_plan(recipe)
     if plan is None:
         return {"memory plan": "- (Qwen3.5 targets only: this target is not one, or its config is not known here)"}
     per_gpu = int(plan.gpu_bytes * plan.gpu_memory_utilization)
     return {
-        "sizes": f"target bf16 {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; "
-                 f"drafter {_size(plan.drafter_bytes)}",
+        "sizes": f"target {plan.source_format} {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; "
+                 + (f"drafter {_size(plan.drafter_bytes)}" if plan.drafter_bytes else "drafter config not known here"),
         "auto mode here": f"{plan.quantize_mode_here} ({_size(plan.available_bytes)} free; in memory needs "
-                          f"{IN_MEMORY_FACTOR} x the bf16 size)",
+                          f"{IN_MEMORY_FACTOR} x the source size)",
         "one MI355X": f"{'fits' if plan.fits else 'does not fit'}: {_size(plan.need_bytes_per_gpu)} of "
                       f"{_size(per_gpu)} per GPU for the weights and one {plan.max_model_len}-token sequence "
                       f"(TP {plan.tensor_parallel_size}, utilization {plan.gpu_memory_utilization}); "

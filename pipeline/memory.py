@@ -7,7 +7,8 @@ device (`pipeline.architectures`) name for name and shape for shape, and to the 
 safetensors headers.
 
 Bytes:
-  bf16    2 per element.
+  bf16    2 per element. (Real checkpoints appear to keep each gated-delta-net layer's A_log and norm in
+          float32: two published totals exceed 2 bytes x parameters by exactly that, a few KB, ignored.)
   mxfp4   a quantized Linear weight [out, in] takes out*in/2 bytes of packed e2m1 and out*in/32 e8m0
           scales (`pipeline.mxfp4`); every other tensor, and every Linear the exclusion patterns keep,
           stays bf16.
@@ -207,6 +208,41 @@ def mxfp4_bytes(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
     return total
 
 
+def fp8_bytes(tensors: dict[str, tuple[int, ...]], quantization_config: dict[str, Any]) -> int:
+    """An FP8 block-scaled checkpoint's tensor bytes (Qwen's FP8 releases): each Linear weight not in
+    `modules_to_not_convert` is e4m3 (1 byte per element) with a float32 `weight_scale_inv` per
+    [block x block] tile; the rest bf16. Routed experts are counted per expert."""
+    rows_block, cols_block = quantization_config.get("weight_block_size") or (128, 128)
+    keep = set(quantization_config.get("modules_to_not_convert") or [])
+    total = 0
+    for name, shape in tensors.items():
+        pieces = split_fused_experts(name, shape)
+        if pieces is not None:
+            modules = {piece.module: piece.shape for piece in pieces}
+        elif name.endswith(".weight") and len(shape) == 2 and name.removesuffix(".weight") not in keep:
+            modules = {name.removesuffix(".weight"): shape}
+        else:
+            total += _numel(shape) * BF16_BYTES
+            continue
+        for rows, cols in modules.values():
+            tiles = -(-rows // rows_block) * -(-cols // cols_block)
+            total += rows * cols + tiles * FLOAT32_BYTES
+    return total
+
+
+def source_format(config: dict[str, Any]) -> Literal["bf16", "fp8"]:
+    """`fp8` for a block-scaled FP8 checkpoint (`quantization_config.quant_method == "fp8"`), else bf16."""
+    return "fp8" if (config.get("quantization_config") or {}).get("quant_method") == "fp8" else "bf16"
+
+
+def fp8_source_problem(config: dict[str, Any], where: str) -> str | None:
+    """One line for an FP8 source, which mxspec cannot quantize yet; None for a bf16 one."""
+    if source_format(config) != "fp8":
+        return None
+    return (f"{where} is an FP8 block-scaled checkpoint (quantization_config.quant_method = 'fp8'); mxspec "
+            "quantizes bf16 sources only for now: point [target] at the bf16 release")
+
+
 def quantize_mode_for(checkpoint_bytes: int, available_bytes: int) -> Literal["in_memory", "file_to_file"]:
     """What `mode = "auto"` picks: in memory when the checkpoint fits IN_MEMORY_FACTOR times in free RAM."""
     return "in_memory" if checkpoint_bytes * IN_MEMORY_FACTOR < available_bytes else "file_to_file"
@@ -221,15 +257,15 @@ class MemoryPlan(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    source_bytes: int  # the bf16 checkpoint's tensors
+    source_format: Literal["bf16", "fp8"]
+    source_bytes: int  # the source checkpoint's tensors, in its format
     mxfp4_bytes: int
     drafter_bytes: int
     quantize_mode_here: Literal["in_memory", "file_to_file"]
     available_bytes: int
     max_model_len: int
     tensor_parallel_size: int
-    kv_bytes_per_token: int  # target + MTP layer + drafter, bf16 K and V
-    state_bytes_per_sequence: int  # gated-delta-net recurrent and convolution states
+    sequence_bytes: int  # one sequence of max_model_len: KV caches and gated-delta-net states
     gpu_bytes: int
     gpu_memory_utilization: float
     need_bytes_per_gpu: int  # weights and one sequence of max_model_len, split across the GPUs
@@ -237,16 +273,21 @@ class MemoryPlan(BaseModel):
     full_length_sequences: int  # how many sequences of max_model_len fit at once
 
 
-def kv_bytes_per_token(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: bool) -> int:
+def kv_bytes(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: bool, tokens: int) -> int:
+    """bf16 K and V of one sequence of `tokens` tokens: the target's full-attention layers, its MTP layers
+    when MTP runs, and the drafter's layers (a sliding-window layer keeps at most its window)."""
     text = text_config(config)
-    per_layer = 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * BF16_BYTES
+    per_token = 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * BF16_BYTES
     layers = list(text["layer_types"]).count("full_attention")
     layers += int(text.get("mtp_num_hidden_layers", 0) or 0) if with_mtp else 0
-    total = layers * per_layer
+    total = layers * per_token * tokens
     if drafter is not None:
         heads = int(drafter["num_attention_heads"])
         head_dim = int(drafter.get("head_dim") or int(drafter["hidden_size"]) // heads)
-        total += int(drafter["num_hidden_layers"]) * 2 * int(drafter["num_key_value_heads"]) * head_dim * BF16_BYTES
+        per_token = 2 * int(drafter["num_key_value_heads"]) * head_dim * BF16_BYTES
+        kinds = drafter.get("layer_types") or ["full_attention"] * int(drafter["num_hidden_layers"])
+        window = drafter.get("sliding_window") or tokens
+        total += sum(per_token * (min(tokens, window) if kind == "sliding_attention" else tokens) for kind in kinds)
     return total
 
 
@@ -270,58 +311,20 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
     the MXFP4 target, its drafter and a sequence of `max_model_len` tokens (the model's own limit when None)
     fit on `tensor_parallel_size` GPUs of `gpu_bytes` (weights and caches split evenly across them)."""
     tensors = checkpoint_tensors(config)
-    source, mxfp4 = bf16_bytes(tensors), mxfp4_bytes(tensors, exclude)
+    fmt = source_format(config)
+    source = fp8_bytes(tensors, config["quantization_config"]) if fmt == "fp8" else bf16_bytes(tensors)
+    mxfp4 = mxfp4_bytes(tensors, exclude)
     drafter_size = bf16_bytes(drafter_tensors(drafter)) if drafter is not None else 0
     length = max_model_len or int(text_config(config)["max_position_embeddings"])
-    kv = kv_bytes_per_token(config, drafter, with_mtp)
-    state = state_bytes_per_sequence(config)
-    weights, sequence = mxfp4 + drafter_size, length * kv + state
+    sequence = kv_bytes(config, drafter, with_mtp, length) + state_bytes_per_sequence(config)
+    weights = mxfp4 + drafter_size
     budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
     available = available_memory_bytes() if available_bytes is None else available_bytes
-    return MemoryPlan(source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
+    return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
                       quantize_mode_here=quantize_mode_for(source, available), available_bytes=available,
                       max_model_len=length, tensor_parallel_size=tensor_parallel_size,
-                      kv_bytes_per_token=kv, state_bytes_per_sequence=state, gpu_bytes=gpu_bytes,
+                      sequence_bytes=sequence, gpu_bytes=gpu_bytes,
                       gpu_memory_utilization=gpu_memory_utilization,
                       need_bytes_per_gpu=(weights + sequence) // tensor_parallel_size,
                       fits=weights + sequence <= budget, full_length_sequences=max(0, (budget - weights) // sequence))
 
-
-VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default when the recipe sets none
-
-
-def recipe_configs(recipe) -> dict[str, dict[str, Any]]:
-    """The target's and drafter's config.json: from a local folder, the local Hub cache, or the config
-    stored for the Hub repo (`pipeline/architectures_data`); a role whose config is known nowhere is absent."""
-    from pipeline.architecture_data import stored_for_repo
-    from pipeline.preflight import model_folder, read_config
-
-    configs = {}
-    for role in ("target", "drafter"):
-        ref = getattr(recipe, role)
-        folder = model_folder(ref, role)
-        if folder is not None:
-            configs[role] = read_config(folder, role)
-        elif ref.id is not None and (stored := stored_for_repo(ref.id)) is not None:
-            configs[role] = {k: v for k, v in stored.items() if k != "source"}
-    return configs
-
-
-def plan_recipe(recipe, available_bytes: int | None = None) -> MemoryPlan | None:
-    """The memory plan of a Qwen3.5 recipe at its `[serving]` max_model_len, tensor parallel size and
-    memory utilization; None when its target's config is not known here or is not a Qwen3.5 layout."""
-    from pipeline.checkpoint import linear_layers_from_tensors
-    from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
-
-    configs = recipe_configs(recipe)
-    target = configs.get("target")
-    if target is None or not str(target.get("model_type", "")).startswith("qwen3_5") \
-            or target["model_type"] not in DEFAULT_EXCLUDE:
-        return None
-    q, s = recipe.quantization, recipe.serving
-    layers = linear_layers_from_tensors(checkpoint_tensors(target))
-    exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)
-    return plan_memory(target, configs.get("drafter"), exclude, max_model_len=s.max_model_len,
-                       tensor_parallel_size=s.tensor_parallel_size,
-                       gpu_memory_utilization=s.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
-                       with_mtp="mtp" in recipe.validation.methods, available_bytes=available_bytes)

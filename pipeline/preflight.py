@@ -12,14 +12,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.checkpoint import text_config
+from pipeline.architecture_data import stored_for_repo
+from pipeline.checkpoint import linear_layers_from_tensors, text_config
 from pipeline.errors import BadInputError
+from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
 from pipeline.hashing import sha256_file
 from pipeline.hub_env import hub_offline
+from pipeline.memory import MemoryPlan, checkpoint_tensors, fp8_source_problem, plan_memory
 from pipeline.pair import TOKENIZER_FILES, pairing_problems
 from pipeline.recipe import ModelRef, Recipe
 
 CONFIG = "config.json"
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default when the recipe sets none
 
 
 def model_folder(ref: ModelRef, role: str) -> Path | None:
@@ -61,9 +65,18 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
     folders = {role: model_folder(getattr(recipe, role), role) for role in ("target", "drafter")}
     configs = {role: read_config(folder, role) for role, folder in folders.items() if folder is not None}
     for role, folder in folders.items():
+        ref = getattr(recipe, role)
+        if not ref.pinned:
+            notes.append(f"{role} {ref.describe()} is not pinned: each download may resolve '{ref.revision}' to "
+                         f"other files; set {role}.revision to the 40-hex commit you validate")
         if folder is None:
-            notes.append(f"{role} {getattr(recipe, role).describe()} is not in the local Hub cache; "
-                         "its pairing is checked after download")
+            notes.append(f"{role} {ref.describe()} is not in the local Hub cache; its pairing is checked after download")
+    if "target" in configs and (problem := fp8_source_problem(configs["target"], f"target {recipe.target.describe()}")):
+        raise BadInputError(problem)
+    if "target" not in configs and recipe.target.id and (stored := stored_for_repo(recipe.target.id)) \
+            and fp8_source_problem(stored, "") is not None:
+        notes.append(f"target {recipe.target.id} is an FP8 release (its stored config says so): mxspec quantizes "
+                     "bf16 sources only for now, so a run stops with one line once it is downloaded")
     if len(configs) == 2:
         problems = pairing_problems(configs["drafter"], configs["target"], recipe.validation.budgets,
                                     tokenizer_hashes(folders["drafter"]), tokenizer_hashes(folders["target"]))
@@ -99,3 +112,34 @@ def _check_out(out: Path, folders: dict[str, Path | None]) -> None:
         if folder is not None and (out == folder.resolve() or folder.resolve() in out.parents):
             raise BadInputError(f"--out {out} is inside the {role}'s folder {folder}; pick an output folder outside it "
                                 "(a run's files would become part of the model)")
+
+
+def recipe_configs(recipe: Recipe) -> dict[str, dict]:
+    """The target's and drafter's config.json: from a local folder, the local Hub cache, or the config
+    stored for the Hub repo (`pipeline/architectures_data`); a role whose config is known nowhere is absent."""
+    configs = {}
+    for role in ("target", "drafter"):
+        ref = getattr(recipe, role)
+        folder = model_folder(ref, role)
+        if folder is not None:
+            configs[role] = read_config(folder, role)
+        elif ref.id is not None and (stored := stored_for_repo(ref.id)) is not None:
+            configs[role] = {k: v for k, v in stored.items() if k != "source"}
+    return configs
+
+
+def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPlan | None:
+    """The memory plan of a Qwen3.5 recipe at its `[serving]` max_model_len, tensor parallel size and
+    memory utilization; None when its target's config is not known here or is not a Qwen3.5 layout."""
+    configs = recipe_configs(recipe)
+    target = configs.get("target")
+    if target is None or not str(target.get("model_type", "")).startswith("qwen3_5") \
+            or target["model_type"] not in DEFAULT_EXCLUDE:
+        return None
+    q, s = recipe.quantization, recipe.serving
+    layers = linear_layers_from_tensors(checkpoint_tensors(target))
+    exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)
+    return plan_memory(target, configs.get("drafter"), exclude, max_model_len=s.max_model_len,
+                       tensor_parallel_size=s.tensor_parallel_size,
+                       gpu_memory_utilization=s.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
+                       with_mtp="mtp" in recipe.validation.methods, available_bytes=available_bytes)

@@ -33,7 +33,7 @@ from pipeline.checkpoint import (
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.exclusions import check_exclusions, excluded_layers, exclusion_patterns
 from pipeline.layout import CHECKPOINT, QUANTIZE_REPORT
-from pipeline.memory import available_memory_bytes, quantize_mode_for
+from pipeline.memory import available_memory_bytes, fp8_source_problem, quantize_mode_for
 from pipeline.recipe import Calibration, Cluster, Quantization
 from pipeline.runner import StageContext
 
@@ -252,6 +252,8 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
     """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary. In
     file-to-file mode a Ray `cluster` quantizes the shards as Ray tasks (same bytes)."""
     checkpoint = read_checkpoint(source)
+    if problem := fp8_source_problem(checkpoint.config, str(source)):
+        raise BadInputError(problem)
     patterns = plan_exclusions(checkpoint, spec)
     mode = choose_mode(spec, checkpoint)
     template = spec.template or TEMPLATES.get(checkpoint.model_type, checkpoint.model_type)

@@ -24,6 +24,24 @@ def test_recipe_check_accepts_the_27b_recipe(mxspec):
 
 
 
+@pytest.mark.parametrize("name, sizes", [
+    ("qwen3.5-4b-mxfp4", None),  # the 4B target's config was not found: no sizes
+    ("qwen3.5-9b-mxfp4", "target bf16 19.3 GB -> MXFP4 9.1 GB"),
+    ("qwen3.5-122b-a10b-mxfp4", "target bf16 250.2 GB -> MXFP4 79.9 GB; drafter 1.5 GB"),
+    ("qwen3.5-397b-a17b-mxfp4", "target fp8 406.2 GB -> MXFP4 237.9 GB"),
+])
+def test_recipe_check_passes_on_the_family_and_warns_what_is_not_pinned(mxspec, name, sizes):
+    result = mxspec("recipe", "check", RECIPES / f"{name}.toml")
+    assert result.returncode == 0, result.stderr
+    assert "drafter" in result.stderr and "is not pinned" in result.stderr
+    if sizes is None:
+        assert "Qwen3.5 targets only" in result.stdout
+    else:
+        assert sizes in result.stdout and "fits: " in result.stdout
+    if "397b" in name:
+        assert "is an FP8 release" in result.stderr  # quantize refuses FP8 sources for now
+
+
 def test_recipe_check_says_what_vllm_serves_of_the_reference_recipe(mxspec):
     result = mxspec("recipe", "check", RECIPES / "reference-cpu.toml")
     assert result.returncode == 0, result.stderr

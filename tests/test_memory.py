@@ -16,8 +16,10 @@ def test_the_layout_from_the_config_is_transformers_layout_name_for_name(name):
     config = arch.load_config(name)
     assert memory.checkpoint_tensors(config) == arch.checkpoint_tensor_names(name)
     published = arch.load_source(name)["published"]
-    assert memory.bf16_bytes(memory.checkpoint_tensors(config)) == 2 * published["params"]
-    assert len(memory.mtp_tensor_shapes(config)) == published["tensors_mtp"]
+    if "params" in published:
+        assert memory.bf16_bytes(memory.checkpoint_tensors(config)) == 2 * published["params"]
+    if "tensors_mtp" in published:
+        assert len(memory.mtp_tensor_shapes(config)) == published["tensors_mtp"]
 
 
 @pytest.mark.parametrize("name", arch.TARGETS)
@@ -49,7 +51,8 @@ def test_the_layout_matches_the_tiny_checkpoints_on_disk(tiny, name):
     assert memory.checkpoint_tensors(on_disk.config) == {k: shape for k, (shape, _, _) in on_disk.tensors.items()}
 
 
-@pytest.mark.parametrize("name", list(arch.DRAFTERS.values()))
+@pytest.mark.parametrize("name", [n for n in (*arch.DRAFTERS.values(), *arch.UNPAIRED_DRAFTERS)
+                                  if "params" in arch.load_source(n)["published"]])
 def test_drafter_parameters_match_the_published_count(name):
     published = arch.load_source(name)["published"]["params"]
     assert memory.bf16_bytes(memory.drafter_tensors(arch.load_config(name))) / 2 == pytest.approx(published, rel=1e-3)
@@ -75,17 +78,47 @@ def test_the_27b_pair_fits_one_mi355x_and_the_plan_counts_caches_per_token_and_p
     plan = memory.plan_memory(config, drafter, default_exclusions("qwen3_5"), max_model_len=None,
                               available_bytes=100 * 10**9)
     text = text_config(config)
-    # 16 full-attention layers + the MTP layer: 4 KV heads x 256; the drafter: 5 layers of 8 KV heads x 128
-    assert plan.kv_bytes_per_token == (16 + 1) * 2 * 4 * 256 * 2 + 5 * 2 * 8 * 128 * 2
-    # 48 gated-delta-net layers: 48 value heads x 128 x 128 float32, conv state 3 x (2*16*128 + 48*128) bf16
-    assert plan.state_bytes_per_sequence == 48 * (48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2)
     assert plan.max_model_len == text["max_position_embeddings"] == 262144
-    assert plan.quantize_mode_here == "file_to_file"  # 55.6 GB x 2.5 > 100 GB
+    # 16 full-attention layers + the MTP layer: 4 KV heads x 256; the drafter: 5 layers of 8 KV heads x 128
+    per_token = (16 + 1) * 2 * 4 * 256 * 2 + 5 * 2 * 8 * 128 * 2
+    # 48 gated-delta-net layers: 48 value heads x 128 x 128 float32, conv state 3 x (2*16*128 + 48*128) bf16
+    states = 48 * (48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2)
+    assert plan.sequence_bytes == 262144 * per_token + states
+    assert plan.source_format == "bf16" and plan.quantize_mode_here == "file_to_file"  # 55.6 GB x 2.5 > 100 GB
     assert 19e9 < plan.mxfp4_bytes < 21e9 and plan.drafter_bytes == 2 * 1730213120
-    sequence = plan.max_model_len * plan.kv_bytes_per_token + plan.state_bytes_per_sequence
-    assert plan.need_bytes_per_gpu == plan.mxfp4_bytes + plan.drafter_bytes + sequence and plan.fits
+    assert plan.need_bytes_per_gpu == plan.mxfp4_bytes + plan.drafter_bytes + plan.sequence_bytes and plan.fits
     budget = int(memory.MI355X_BYTES * 0.9)
-    assert plan.full_length_sequences == (budget - plan.mxfp4_bytes - plan.drafter_bytes) // sequence
+    assert plan.full_length_sequences == (budget - plan.mxfp4_bytes - plan.drafter_bytes) // plan.sequence_bytes
+
+
+def test_a_sliding_window_drafter_layer_keeps_at_most_its_window():
+    drafter = arch.load_config("qwen3.5-122b-a10b-dflash")  # 5 sliding layers of 4096 tokens, then a full one
+    config = arch.load_config("qwen3.5-122b-a10b")
+    per_layer_token = 2 * 8 * 128 * 2
+    grown = memory.kv_bytes(config, drafter, False, 100_000) - memory.kv_bytes(config, None, False, 100_000)
+    assert grown == per_layer_token * (5 * 4096 + 100_000)
+    assert memory.kv_bytes(config, drafter, False, 1000) - memory.kv_bytes(config, None, False, 1000) == \
+        per_layer_token * 6 * 1000
+
+
+def test_an_fp8_source_counts_a_byte_per_weight_and_a_float32_scale_per_128_block():
+    tensors = {"a.weight": (256, 300), "lm_head.weight": (64, 128), "norm.weight": (300,),
+               "mlp.experts.gate_up_proj": (2, 256, 128)}
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    expected = 256 * 300 + 2 * 3 * 4 + 64 * 128 * 2 + 300 * 2 + 4 * (128 * 128 + 1 * 1 * 4)
+    assert memory.fp8_bytes(tensors, fp8) == expected
+    assert memory.source_format({"quantization_config": fp8}) == "fp8" and memory.source_format({}) == "bf16"
+
+
+def test_the_397b_fp8_release_sizes_and_amds_exclusions_fit_one_mi355x():
+    """AMD's amd/Qwen3.5-397B-A17B-MoE-MXFP4 card quantizes this FP8 release with these exclusions
+    (routed and shared experts only)."""
+    config = arch.load_config("qwen3.5-397b-a17b-fp8")
+    amd = ["lm_head", "model.visual.*", "mtp.*", "*mlp.gate", "*shared_expert_gate*", "*.linear_attn.*", "*.self_attn.*"]
+    plan = memory.plan_memory(config, None, amd, max_model_len=None)
+    assert plan.source_format == "fp8"
+    assert 400e9 < plan.source_bytes < 410e9 < 800e9 < memory.bf16_bytes(memory.checkpoint_tensors(config))
+    assert plan.mxfp4_bytes < 0.6 * plan.source_bytes and plan.fits
 
 
 def test_a_pair_that_needs_more_than_the_gpus_does_not_fit_and_tensor_parallel_splits_it():

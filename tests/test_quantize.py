@@ -66,6 +66,16 @@ def test_bad_exclusions_fail_before_quark(tiny):
         plan_exclusions(checkpoint, Quantization(exclude=["*.linear_attn.in_proj_a"]))
 
 
+def test_an_fp8_source_is_refused_before_quark(tmp_path, tiny):
+    source = tmp_path / "fp8"
+    shutil.copytree(tiny / "qwen3.5-tiny", source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(BadInputError, match="FP8 block-scaled checkpoint"):
+        quantize_checkpoint(source, tmp_path / "out", Quantization(mode="in_memory"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_mode_choice(tiny):
     checkpoint = read_checkpoint(tiny / "qwen3.5-tiny")
     assert choose_mode(Quantization(mode="file_to_file"), checkpoint) == "file_to_file"

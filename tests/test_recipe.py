@@ -25,7 +25,9 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-27b-mxfp4", "qwen3.5-35b-a3b-mxfp4", "reference-cpu", "qwen3.5-tiny-cpu"])
+@pytest.mark.parametrize("name", ["qwen3.5-27b-mxfp4", "qwen3.5-35b-a3b-mxfp4", "reference-cpu", "qwen3.5-tiny-cpu",
+                                  "qwen3.5-4b-mxfp4", "qwen3.5-9b-mxfp4", "qwen3.5-122b-a10b-mxfp4",
+                                  "qwen3.5-397b-a17b-mxfp4"])
 def test_shipped_recipes_validate(name):
     recipe = load_recipe(RECIPES / f"{name}.toml")
     assert recipe.name == name
