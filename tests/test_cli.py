@@ -20,7 +20,7 @@ def test_recipe_check_accepts_the_27b_recipe(mxspec):
     assert "Qwen/Qwen3.5-27B@fc05daec18b0a78c049392ed2e771dde82bdf654" in result.stdout
     # the memory plan, from the config stored for the Hub repo (pipeline.memory; its figures: test_memory)
     assert "target bf16 55.6 GB -> MXFP4 19.8 GB; drafter 3.5 GB" in result.stdout
-    assert "fits: 47.0 GB of 259.2 GB per GPU" in result.stdout
+    assert "fits: 48.5 GB of 259.2 GB per GPU" in result.stdout
 
 
 
@@ -35,11 +35,35 @@ def test_recipe_check_passes_on_the_family_and_warns_what_is_not_pinned(mxspec, 
     assert result.returncode == 0, result.stderr
     assert "drafter" in result.stderr and "is not pinned" in result.stderr
     if sizes is None:
-        assert "Qwen3.5 targets only" in result.stdout
+        assert "config is not known here" in result.stdout
     else:
         assert sizes in result.stdout and "fits: " in result.stdout
     if "397b" in name:
-        assert "is an FP8 release" in result.stderr  # quantize refuses FP8 sources for now
+        assert "FP8 block-scaled checkpoint" in result.stderr  # a note here; a run refuses it
+
+
+def test_a_run_of_an_fp8_source_is_refused_before_downloading_it(mxspec, tmp_path):
+    result = mxspec("run", RECIPES / "qwen3.5-397b-a17b-mxfp4.toml", "--out", tmp_path / "out")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "FP8 block-scaled checkpoint" in result.stderr and "bf16 sources only" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_the_memory_plan_cannot_read_is_a_row_not_an_error(mxspec, tmp_path, tiny):
+    """The plan is information: a Qwen3.5 config without `layer_types` still passes recipe check."""
+    import json
+
+    from tests.conftest import tiny_reference_recipe
+    from tests.test_bad_input import model_copy
+
+    config = json.loads((tiny / "qwen3.5-tiny" / "config.json").read_text())
+    del config["text_config"]["layer_types"]
+    target = model_copy(tmp_path, tiny / "qwen3.5-tiny", "T", config)
+    recipe = tiny_reference_recipe(tmp_path, tiny)
+    recipe.write_text(recipe.read_text().replace(str(tiny / "qwen3.5-tiny") + '"', f'{target}"'))
+    result = mxspec("recipe", "check", recipe)
+    assert result.returncode == 0, result.stderr
+    assert "a config lacks 'layer_types'" in result.stdout
 
 
 def test_recipe_check_says_what_vllm_serves_of_the_reference_recipe(mxspec):

