@@ -128,6 +128,17 @@ def expert_slice(tensor, expert: int, kind: str):
     raise ValueError(f"unknown expert weight kind {kind!r}")
 
 
+def linear_modules(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    """The Linear-like layers one checkpoint tensor holds, module name -> (out, in); empty for any other
+    tensor. A fused 3-D expert tensor holds one per expert and kind (see `linear_layers_from_tensors`)."""
+    pieces = split_fused_experts(name, shape)
+    if pieces is not None:
+        return {piece.module: piece.shape for piece in pieces}
+    if name.endswith(".weight") and len(shape) == 2 and not name.endswith(_EMBEDDINGS):
+        return {name.removesuffix(".weight"): shape}
+    return {}
+
+
 def linear_layers_from_tensors(tensors: dict[str, tuple[int, ...]]) -> list[str]:
     """Module names of the Linear-like layers in a checkpoint's tensor listing.
 
@@ -137,14 +148,7 @@ def linear_layers_from_tensors(tensors: dict[str, tuple[int, ...]]) -> list[str]
     `patch_embed.proj`) are not Linear. Fused 3-D experts expand to the per-expert names Quark and
     vLLM use: `mlp.experts.{e}.gate_proj`, `.up_proj`, `.down_proj`.
     """
-    names: list[str] = []
-    for key, shape in tensors.items():
-        pieces = split_fused_experts(key, shape)
-        if pieces is not None:
-            names += [piece.module for piece in pieces]
-        elif key.endswith(".weight") and len(shape) == 2 and not key.endswith(_EMBEDDINGS):
-            names.append(key.removesuffix(".weight"))
-    return names
+    return [module for key, shape in tensors.items() for module in linear_modules(key, shape)]
 
 
 # --- reading ----------------------------------------------------------------------------------

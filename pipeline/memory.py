@@ -22,12 +22,13 @@ the plan also says how many such sequences fit at once (shorter ones share the r
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.checkpoint import split_fused_experts, text_config
+from pipeline.checkpoint import linear_modules, text_config
 from pipeline.exclusions import excluded_layers
 from pipeline.mxfp4 import GROUP_SIZE
 
@@ -176,30 +177,17 @@ def drafter_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 def bf16_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
-    return sum(_numel(shape) for shape in tensors.values()) * BF16_BYTES
+    return sum(math.prod(shape) for shape in tensors.values()) * BF16_BYTES
 
 
 def mxfp4_bytes(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
     """The MXFP4 export's tensor bytes: Linear weights not matched by `exclude` packed, the rest bf16."""
     total = 0
     for name, shape in tensors.items():
-        pieces = split_fused_experts(name, shape)
-        if pieces is not None:
-            modules = {piece.module: piece.shape for piece in pieces}
-        elif name.endswith(".weight") and len(shape) == 2 and not name.endswith("embed_tokens.weight") \
-                and not name.endswith("pos_embed.weight"):
-            modules = {name.removesuffix(".weight"): shape}
-        else:
-            total += _numel(shape) * BF16_BYTES
-            continue
+        modules = linear_modules(name, shape)
+        if not modules:
+            total += math.prod(shape) * BF16_BYTES
         kept = excluded_layers(modules, exclude)
         for module, (rows, cols) in modules.items():
             if module in kept or cols % GROUP_SIZE:
@@ -217,17 +205,15 @@ def fp8_bytes(tensors: dict[str, tuple[int, ...]], quantization_config: dict[str
     keep = set(quantization_config.get("modules_to_not_convert") or [])
     total = 0
     for name, shape in tensors.items():
-        pieces = split_fused_experts(name, shape)
-        if pieces is not None:
-            modules = {piece.module: piece.shape for piece in pieces}
-        elif name.endswith(".weight") and len(shape) == 2 and name.removesuffix(".weight") not in keep:
-            modules = {name.removesuffix(".weight"): shape}
-        else:
-            total += _numel(shape) * BF16_BYTES
-            continue
-        for rows, cols in modules.values():
-            tiles = -(-rows // rows_block) * -(-cols // cols_block)
-            total += rows * cols + tiles * FLOAT32_BYTES
+        modules = linear_modules(name, shape)
+        if not modules:
+            total += math.prod(shape) * BF16_BYTES
+        for module, (rows, cols) in modules.items():
+            if module in keep:
+                total += rows * cols * BF16_BYTES
+            else:
+                tiles = -(-rows // rows_block) * -(-cols // cols_block)
+                total += rows * cols + tiles * FLOAT32_BYTES
     return total
 
 

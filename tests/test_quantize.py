@@ -7,6 +7,7 @@ target and on the tiny Qwen3.5 dense (hybrid GDN + vision + MTP) and MoE checkpo
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -98,13 +99,6 @@ def _quantized_tensors(folder: Path) -> dict[str, bytes]:
 SAFETENSORS_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 @pytest.mark.parametrize("scheme", ["mxfp4", "mxfp4_weight_only"])
@@ -128,7 +122,7 @@ def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, sc
         assert not any("conv1d" in n and n.endswith("_scale") for n in exported.tensors)
         # pipeline.memory sizes the export from the source config alone, to the byte
         source_config = json.loads((tiny / name / "config.json").read_text())
-        assert sum(_numel(shape) * SAFETENSORS_BYTES[dtype] for shape, dtype, _ in exported.tensors.values()) == \
+        assert sum(math.prod(shape) * SAFETENSORS_BYTES[dtype] for shape, dtype, _ in exported.tensors.values()) == \
             mxfp4_bytes(checkpoint_tensors(source_config), summary.exclude)
         if "moe" in name:
             experts = summary.verification["moe_experts_quantized"]
