@@ -18,7 +18,7 @@ CUDA_SIDE_PACKAGES := torchaudio torchcodec triton
 
 .PHONY: install demo test test-fast clean
 
-install: $(STAMP) $(TARGET)/config.json $(TINY)/qwen3.5-tiny/config.json
+install: $(STAMP) $(TARGET)/config.json $(TINY)/qwen3.5-tiny/config.json $(TINY)/qwen3.5-moe-tiny-fp8/config.json
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ $(TARGET)/config.json: $(STAMP) scripts/build_reference_target.py
 
 $(TINY)/qwen3.5-tiny/config.json: $(STAMP) scripts/build_tiny_qwen35.py pipeline/dflash.py
 	$(BIN)/python scripts/build_tiny_qwen35.py $(TINY)
+
+$(TINY)/qwen3.5-moe-tiny-fp8/config.json: $(TINY)/qwen3.5-tiny/config.json scripts/build_tiny_fp8.py pipeline/fp8.py
+	$(BIN)/python scripts/build_tiny_fp8.py $(TINY)/qwen3.5-moe-tiny $(TINY)/qwen3.5-moe-tiny-fp8
 
 demo: install
 	bash scripts/run_demo.sh

@@ -285,6 +285,9 @@ class ExportVerification(_Artifact):
     bit_exact_tensors: Annotated[int, Field(ge=1)]  # quantized tensors equal to pipeline.mxfp4.encode of their source
     moe_experts_quantized: Annotated[int, Field(ge=0)]
     encoder: str
+    source_format: Literal["bf16", "fp8"] = "bf16"
+    # FP8 source weights kept unquantized, each equal to its dequantized value in the config's dtype
+    dequantized_kept_tensors: Annotated[int, Field(ge=0)] = 0
     logits: LogitAgreement | None = None
 
 

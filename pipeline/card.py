@@ -111,6 +111,10 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         f"(exclusion patterns: {', '.join(f'`{p}`' for p in quant.exclude) or 'none'})."),
         (f"- Every quantized tensor was checked bit-exact against an independent OCP MX encoder "
         f"({quant.verification.bit_exact_tensors} tensors)."),
+        *([(f"- Source: an FP8 block-scaled checkpoint. Each weight was dequantized to float32 (e4m3 "
+            f"times its tile's scale) before MXFP4 encoding; the {quant.verification.dequantized_kept_tensors} FP8 "
+            "weights kept unquantized are stored dequantized in bf16. \"bf16\" below means this dequantized "
+            "source.")] if quant.verification.source_format == "fp8" else []),
         "",
         "## Paired drafter (not modified, not uploaded here)", "",
         f"- Drafter: `{drafter_name(recipe)}`" + (f" at revision `{drafter.revision}`" if drafter.revision else "")

@@ -75,6 +75,15 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
+def export_name(name: str, config: dict[str, Any]) -> str:
+    """The name a tensor takes in an MXFP4 export. A text-only `*ForCausalLM` names its decoder `model.*`;
+    a checkpoint that stores it as `model.language_model.*` (Qwen3.5's multimodal layout) is renamed, as
+    Quark's in-memory export renames it: Quark's importer needs the class's own names, and vLLM reads both."""
+    if config["architectures"][0].endswith("ForCausalLM") and name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name
+
+
 # --- fused experts ----------------------------------------------------------------------------
 class ExpertPiece(NamedTuple):
     """One per-expert weight cut from a fused tensor."""
@@ -113,9 +122,13 @@ def fused_source(module: str) -> tuple[str, int, str] | None:
 
 
 def expert_slice(tensor, expert: int, kind: str):
-    """Expert `expert`'s `kind` weight out of a fused tensor (torch tensor or numpy array): a view.
-    gate_proj / up_proj are the first / second half of the expert's gate_up rows."""
-    weight = tensor[expert]
+    """Expert `expert`'s `kind` weight out of a fused tensor (torch tensor or numpy array): a view."""
+    return expert_rows(tensor[expert], kind)
+
+
+def expert_rows(weight, kind: str):
+    """One kind's rows of one expert's weight from a fused tensor: gate_proj / up_proj are the first /
+    second half of the expert's gate_up rows; down_proj is all of it. A view."""
     if kind == "down_proj":
         return weight
     rows = weight.shape[0]

@@ -8,6 +8,9 @@ codes and `[out, in/32]` e8m0 scales), then each tensor's bytes are appended as 
 weight quantizer has produced them. The quantization itself is Quark's (the same per-weight routine
 its file-to-file flow calls), and the config.json is written by Quark's own exporter, so both flows
 produce the same bytes; the tests check that.
+
+An FP8 block-scaled source (`pipeline.fp8`) is read through `CheckpointReader`, which hands each weight
+over dequantized to float32, as Quark's FP8 flow does, one tensor (or one expert) at a time.
 """
 
 from __future__ import annotations
@@ -19,18 +22,23 @@ from pathlib import Path
 
 import torch
 
+from pipeline import fp8
 from pipeline.checkpoint import (
     copy_side_files,
-    expert_slice,
+    expert_rows,
+    export_name,
     shard_files,
     split_fused_experts,
     write_index,
 )
+from pipeline.errors import BadInputError
 from pipeline.mxfp4 import GROUP_SIZE
 
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1,
+                fp8.SAFETENSORS_DTYPE: 1}
 _TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8",
-                torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL"}
+                torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL",
+                torch.float8_e4m3fn: fp8.SAFETENSORS_DTYPE}
 _TORCH_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
 
 
@@ -57,15 +65,82 @@ class ShardReader:
     def dtype(self, name: str) -> str:
         return self.header[name]["dtype"]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or only its `index`-th slice along the first dimension (one expert of a
+        fused expert tensor), read from disk alone."""
         begin, end = self.header[name]["data_offsets"]
+        shape = self.shape(name)
+        if index is not None:
+            step = (end - begin) // shape[0]
+            begin, end, shape = begin + index * step, begin + (index + 1) * step, shape[1:]
         buffer = bytearray(end - begin)
         if os.preadv(self.fd, [buffer], self.data_start + begin) != len(buffer):
             raise OSError(f"{self.path}: short read of {name}")
-        return torch.frombuffer(buffer, dtype=_TORCH_DTYPES[self.dtype(name)]).view(self.shape(name))
+        return torch.frombuffer(buffer, dtype=_TORCH_DTYPES[self.dtype(name)]).view(shape)
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class CheckpointReader:
+    """A checkpoint folder's tensors by name, one at a time, from whichever shard holds each.
+
+    For an FP8 block-scaled source a weight with a `weight_scale_inv` comes back dequantized to float32
+    (`fp8.dequantize`, from the scale wherever it is stored, another shard included), its scale is not
+    listed, and its listed dtype is the one it is written in when it stays unquantized (`fp8.output_dtype`).
+    A bf16 source reads as it is stored.
+    """
+
+    def __init__(self, folder: Path, config: dict):
+        self.shards = {file: ShardReader(Path(folder) / file) for file in shard_files(folder)}
+        self.where = {name: file for file, shard in self.shards.items() for name in shard.header}
+        self.block = fp8.block_size(config) if fp8.is_fp8_source(config) else None
+        self.dequantized_dtype = fp8.output_dtype(config) if self.block else None
+
+    def is_fp8(self, name: str) -> bool:
+        return self.block is not None and fp8.scale_name(name) in self.where
+
+    def is_scale(self, name: str) -> bool:
+        return self.block is not None and name.endswith(fp8.SCALE_SUFFIX) \
+            and name.removesuffix(fp8.SCALE_SUFFIX) in self.where
+
+    def listed(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of a tensor as `get` returns it; for an FP8 weight, the dtype it is written in."""
+        shard = self.shards[self.where[name]]
+        shape, dtype = shard.shape(name), shard.dtype(name)
+        if self.is_fp8(name):
+            return shape, self.dequantized_dtype
+        if dtype == fp8.SAFETENSORS_DTYPE:
+            raise BadInputError(f"{self.where[name]}: {name} is float8 but has no {fp8.scale_name(name)} "
+                                "(or the config does not say quant_method 'fp8'); the checkpoint is incomplete")
+        return shape, dtype
+
+    def listing(self, shard: str | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> `listed(name)` for the tensors in `shard` (all when None); FP8 scales are not listed."""
+        return {name: self.listed(name) for name, file in self.where.items()
+                if (shard is None or file == shard) and not self.is_scale(name)}
+
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor (or its `index`-th slice along the first dimension), dequantized if FP8."""
+        raw = self.shards[self.where[name]].get(name, index)
+        if not self.is_fp8(name):
+            return raw
+        scale = fp8.scale_name(name)
+        return fp8.dequantize(raw, self.shards[self.where[scale]].get(scale, index), self.block)
+
+    def written(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor (or its `index`-th slice) as it is written when it stays unquantized: in its listed dtype."""
+        return self.get(name, index).to(_TORCH_DTYPES[self.listed(name)[1]])
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class StreamingSafetensorsWriter:
@@ -139,32 +214,35 @@ def quantize_shard(source: Path, out: Path, shard: str, weight_config, quantized
     from quark.torch.quantization.file2file_quantization import _single_stage_quantize_weight
 
     weight_map: dict[str, str] = {}
-    handle = ShardReader(source / shard)
-    try:
-        header = {name: (handle.shape(name), handle.dtype(name)) for name in handle.header}
+    config = json.loads((source / "config.json").read_text())
+    with CheckpointReader(source, config) as reader:
+        header = reader.listing(shard)
         order = sorted(header)  # deterministic output order
         entries, work = _plan_shard(header, order, quantized_modules)
-        writer = StreamingSafetensorsWriter(out / shard, entries)
-        cached_name, cached = None, None  # a fused expert tensor feeds many work items
+        if not entries:
+            return weight_map  # a shard of FP8 scales alone: its scales are read, nothing is written
+        dtypes = {name: _TORCH_DTYPES[dtype] for name, dtype, _ in entries}
+        writer = StreamingSafetensorsWriter(out / shard, [(export_name(name, config), dtype, shape)
+                                                          for name, dtype, shape in entries])
+        cached_key, cached = None, None  # one expert of a fused tensor feeds its gate and up work items
         for source_name, expert, kind, out_name in work:
-            if source_name != cached_name:
-                cached_name, cached = source_name, handle.get(source_name)
+            if (source_name, expert) != cached_key:
+                cached_key, cached = (source_name, expert), reader.get(source_name, expert)
             tensor = cached
             if expert is not None:
-                tensor = expert_slice(tensor, expert, kind).contiguous()
+                tensor = expert_rows(tensor, kind).contiguous()
+            name = export_name(out_name, config)
             if out_name.removesuffix(".weight") in quantized_modules:
                 produced: dict[str, torch.Tensor] = {}
                 _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
                                               weight_config, produced, shard)
-                writer.write(out_name, produced[out_name])
-                writer.write(out_name + "_scale", produced[out_name + "_scale"])
-                weight_map[out_name + "_scale"] = shard
+                writer.write(name, produced[out_name])
+                writer.write(name + "_scale", produced[out_name + "_scale"])
+                weight_map[name + "_scale"] = shard
             else:
-                writer.write(out_name, tensor)
-            weight_map[out_name] = shard
+                writer.write(name, tensor.to(dtypes[out_name]))
+            weight_map[name] = shard
         writer.close()
-    finally:
-        handle.close()
     return weight_map
 
 

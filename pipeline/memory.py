@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline.checkpoint import linear_modules, text_config
 from pipeline.exclusions import excluded_layers
+from pipeline.fp8 import block_size, is_fp8_source
 from pipeline.mxfp4 import GROUP_SIZE
 
 MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet "288 GB"; if that means GiB, this errs low
@@ -38,6 +39,9 @@ FLOAT32_BYTES = 4
 # A bf16 checkpoint quantizes in memory when this many times its size is free: the model, its quantized
 # copy and Quark's working set. `quantize.choose_mode` applies it.
 IN_MEMORY_FACTOR = 2.5
+# Bytes per element of a model held in memory to quantize it: bf16 as stored; an FP8 source dequantized to
+# float32, the precision Quark's FP8 flow encodes from (`pipeline.fp8`).
+IN_MEMORY_BYTES_PER_ELEMENT = {"bf16": BF16_BYTES, "fp8": FLOAT32_BYTES}
 
 
 def _full_attention(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -197,12 +201,12 @@ def mxfp4_bytes(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
     return total
 
 
-def fp8_bytes(tensors: dict[str, tuple[int, ...]], quantization_config: dict[str, Any]) -> int:
-    """An FP8 block-scaled checkpoint's tensor bytes (Qwen's FP8 releases): each Linear weight not in
-    `modules_to_not_convert` is e4m3 (1 byte per element) with a float32 `weight_scale_inv` per
-    [block x block] tile; the rest bf16. Routed experts are counted per expert."""
-    rows_block, cols_block = quantization_config.get("weight_block_size") or (128, 128)
-    keep = set(quantization_config.get("modules_to_not_convert") or [])
+def fp8_bytes(tensors: dict[str, tuple[int, ...]], config: dict[str, Any]) -> int:
+    """An FP8 block-scaled checkpoint's tensor bytes (Qwen's FP8 releases, `pipeline.fp8`): each Linear
+    weight not in `modules_to_not_convert` is e4m3 (1 byte per element) with a float32 `weight_scale_inv`
+    per tile; the rest bf16. Routed experts are counted per expert."""
+    rows_block, cols_block = block_size(config)
+    keep = set(config["quantization_config"].get("modules_to_not_convert") or [])
     total = 0
     for name, shape in tensors.items():
         modules = linear_modules(name, shape)
@@ -218,16 +222,7 @@ def fp8_bytes(tensors: dict[str, tuple[int, ...]], quantization_config: dict[str
 
 
 def source_format(config: dict[str, Any]) -> Literal["bf16", "fp8"]:
-    """`fp8` for a block-scaled FP8 checkpoint (`quantization_config.quant_method == "fp8"`), else bf16."""
-    return "fp8" if (config.get("quantization_config") or {}).get("quant_method") == "fp8" else "bf16"
-
-
-def fp8_source_problem(config: dict[str, Any], where: str) -> str | None:
-    """One line for an FP8 source, which mxspec cannot quantize yet; None for a bf16 one."""
-    if source_format(config) != "fp8":
-        return None
-    return (f"{where} is an FP8 block-scaled checkpoint (quantization_config.quant_method = 'fp8'); mxspec "
-            "quantizes bf16 sources only for now: point [target] at the bf16 release")
+    return "fp8" if is_fp8_source(config) else "bf16"
 
 
 def quantize_mode_for(checkpoint_bytes: int, available_bytes: int) -> Literal["in_memory", "file_to_file"]:
@@ -313,7 +308,7 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
     tensors = checkpoint_tensors(config)
     fmt = source_format(config)
     bf16 = bf16_bytes(tensors)
-    source = fp8_bytes(tensors, config["quantization_config"]) if fmt == "fp8" else bf16
+    source = fp8_bytes(tensors, config) if fmt == "fp8" else bf16
     mxfp4 = mxfp4_bytes(tensors, exclude)
     drafter_size = bf16_bytes(drafter_tensors(drafter)) if drafter is not None else None
     length = max_model_len or int(text_config(config)["max_position_embeddings"])
@@ -328,8 +323,9 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
     budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
     available = available_memory_bytes() if available_bytes is None else available_bytes
     return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
-                      # in memory, a source is held in bf16 (an FP8 one dequantized)
-                      quantize_mode_here=quantize_mode_for(bf16, available), available_bytes=available,
+                      quantize_mode_here=quantize_mode_for(
+                          bf16 // BF16_BYTES * IN_MEMORY_BYTES_PER_ELEMENT[fmt], available),
+                      available_bytes=available,
                       max_model_len=length, tensor_parallel_size=tensor_parallel_size, largest_server=largest,
                       sequence_bytes=sequence, gpu_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization,
                       need_bytes_per_gpu=(weights + sequence) // tensor_parallel_size,

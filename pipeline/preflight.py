@@ -16,13 +16,13 @@ from pipeline.architecture_data import stored_for_repo
 from pipeline.checkpoint import linear_layers_from_tensors, text_config
 from pipeline.errors import BadInputError
 from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
+from pipeline.fp8 import block_size, is_fp8_source
 from pipeline.hashing import sha256_file
 from pipeline.hub_env import hub_offline
 from pipeline.memory import (
     VLLM_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
     checkpoint_tensors,
-    fp8_source_problem,
     plan_memory,
 )
 from pipeline.pair import TOKENIZER_FILES, pairing_problems
@@ -76,13 +76,8 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
                          f"other files; set {role}.revision to the 40-hex commit you validate")
         if folder is None:
             notes.append(f"{role} {ref.describe()} is not in the local Hub cache; its pairing is checked after download")
-    if "target" in configs and (problem := fp8_source_problem(configs["target"], f"target {recipe.target.describe()}")):
-        raise BadInputError(problem)
-    if "target" not in configs and recipe.target.id and (stored := stored_for_repo(recipe.target.id)) \
-            and (problem := fp8_source_problem(stored, f"target {recipe.target.id} (its stored config)")):
-        if out is not None:  # a run: refuse before downloading it
-            raise BadInputError(problem)
-        notes.append(problem)
+    if "target" in configs and is_fp8_source(configs["target"]):
+        block_size(configs["target"])  # an FP8 source must be block-scaled: one line if not
     if len(configs) == 2:
         problems = pairing_problems(configs["drafter"], configs["target"], recipe.validation.budgets,
                                     tokenizer_hashes(folders["drafter"]), tokenizer_hashes(folders["target"]))

@@ -4,6 +4,8 @@ Two execution modes, chosen from the checkpoint size and the machine's memory (r
   - in_memory: transformers loads the model, Quark quantizes, freezes and exports it;
   - file_to_file: shard by shard and tensor by tensor with Quark's weight quantizer and a streaming
     writer (`file_to_file`), so a 70 GB checkpoint needs about one tensor of memory.
+The source is bf16, or FP8 block-scaled (`fp8`): then both modes encode the float32 dequantized weights,
+as Quark's FP8 flow does, and write what stays unquantized dequantized, in the config's dtype (bf16).
 Before any work the exclusions are checked against the checkpoint's real layer names (see
 `exclusions`); after the export every quantized tensor is compared byte for byte with the project's
 own MXFP4 encoder (`mxfp4`), MoE layers must have packed weights for every routed expert, and
@@ -12,6 +14,7 @@ own MXFP4 encoder (`mxfp4`), MoE layers must have packed weights for every route
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import resource
@@ -25,15 +28,17 @@ from pipeline.atomic import is_disk_full
 from pipeline.checkpoint import (
     Checkpoint,
     copy_side_files,
-    expert_slice,
+    expert_rows,
     fused_source,
     read_checkpoint,
+    split_fused_experts,
     write_index,
 )
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.exclusions import check_exclusions, excluded_layers, exclusion_patterns
+from pipeline.fp8 import block_size, is_fp8_source
 from pipeline.layout import CHECKPOINT, QUANTIZE_REPORT
-from pipeline.memory import available_memory_bytes, fp8_source_problem, quantize_mode_for
+from pipeline.memory import IN_MEMORY_BYTES_PER_ELEMENT, available_memory_bytes, quantize_mode_for
 from pipeline.recipe import Calibration, Cluster, Quantization
 from pipeline.runner import StageContext
 
@@ -52,10 +57,16 @@ def plan_exclusions(checkpoint: Checkpoint, spec: Quantization) -> list[str]:
 
 
 def choose_mode(spec: Quantization, checkpoint: Checkpoint) -> str:
-    """in_memory when the bf16 model fits comfortably (the model plus its quantized copy), else file_to_file."""
+    """in_memory when the model as held in memory fits comfortably (the model plus its quantized copy),
+    else file_to_file. A bf16 model is held at its size on disk, an FP8 one dequantized to float32."""
     if spec.mode != "auto":
         return spec.mode
-    return quantize_mode_for(checkpoint.size_bytes, available_memory_bytes())
+    held = checkpoint.size_bytes
+    if is_fp8_source(checkpoint.config):
+        elements = sum(math.prod(shape) for name, (shape, _, _) in checkpoint.tensors.items()
+                       if not name.endswith("_scale_inv"))
+        held = elements * IN_MEMORY_BYTES_PER_ELEMENT["fp8"]
+    return quantize_mode_for(held, available_memory_bytes())
 
 
 @dataclass
@@ -97,21 +108,56 @@ def _quant_config(template: str, scheme: str, patterns: list[str]):
         ) from exc
 
 
+def load_source(folder: Path, model_class=None):
+    """The source model in float32, for transformers to run: bf16 weights upcast; an FP8 source's weights
+    dequantized as the quantizer sees them (`CheckpointReader`), its config without the FP8
+    quantization_config (transformers would want a GPU for it). `model_class` defaults to the config's
+    architecture."""
+    import torch
+    import transformers
+
+    from pipeline.file_to_file import CheckpointReader
+
+    checkpoint = read_checkpoint(folder)
+    model_class = model_class or getattr(transformers, checkpoint.config["architectures"][0])
+    if not is_fp8_source(checkpoint.config):
+        return model_class.from_pretrained(folder, dtype=torch.float32)
+    with CheckpointReader(checkpoint.folder, checkpoint.config) as reader:
+        state = {name: reader.get(name) for name in reader.listing()}
+    plain = {key: value for key, value in checkpoint.config.items() if key != "quantization_config"}
+    model = model_class.from_pretrained(None, config=transformers.AutoConfig.for_model(**plain), state_dict=state,
+                                        dtype=torch.float32)
+    # No source path: Quark's export would restore the MTP head from it as stored (FP8);
+    # `_carry_over` writes it dequantized, as file-to-file mode does.
+    model.config._name_or_path = ""
+    return model
+
+
 def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None:
     import torch
     import transformers
+
+    from pipeline.fp8 import output_dtype
 
     quark_torch = _quark()
     architecture = checkpoint.config["architectures"][0]
     model_class = getattr(transformers, architecture, None)
     if model_class is None:
         raise BadInputError(f"transformers has no class {architecture}; use mode = 'file_to_file'")
-    model = model_class.from_pretrained(checkpoint.folder, dtype=torch.bfloat16).eval()
+    fp8_source = is_fp8_source(checkpoint.config)
+    if fp8_source:  # Quark's FP8 flow encodes float32 weights: hold the model in float32
+        model = load_source(checkpoint.folder, model_class).eval()
+    else:
+        model = model_class.from_pretrained(checkpoint.folder, dtype=torch.bfloat16).eval()
     if checkpoint.is_moe:
         _prepare_moe(model)
     quantizer = quark_torch.ModelQuantizer(quant_config)
     model = quantizer.quantize_model(model, None)  # MXFP4 weight scales need no calibration data
     model = quantizer.freeze(model)
+    if fp8_source:  # what stays unquantized is written as file_to_file writes it (packed bytes are not floats)
+        dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[output_dtype(checkpoint.config)]
+        model = model.to(dtype)
+        model.config.dtype = dtype
     quark_torch.export_safetensors(
         model, str(out), custom_mode="quark", weight_format="real_quantized", pack_method="reorder"
     )
@@ -125,19 +171,18 @@ def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patt
 
 
 def _carry_over(source: Checkpoint, out: Path) -> int:
-    """Copy side files and the tensors the export lacks (the MTP head) into the output folder."""
-    from safetensors import safe_open
+    """Copy side files and the tensors the export lacks (the MTP head; dequantized if FP8) into `out`."""
     from safetensors.torch import save_file
+
+    from pipeline.file_to_file import CheckpointReader
 
     copy_side_files(source.folder, out, overwrite=False)
     exported = read_checkpoint(out)
-    missing = sorted(n for n in source.tensors if CARRIED_OVER.match(n) and n not in exported.tensors)
+    with CheckpointReader(source.folder, source.config) as reader:
+        missing = sorted(n for n in reader.listing() if CARRIED_OVER.match(n) and n not in exported.tensors)
+        tensors = {name: reader.written(name) for name in missing}
     if not missing:
         return 0
-    tensors = {}
-    for name in missing:
-        with safe_open(source.folder / source.tensors[name][2], framework="pt") as handle:
-            tensors[name] = handle.get_tensor(name)
     extra = "model-carried-over.safetensors"
     save_file(tensors, out / extra, metadata={"format": "pt"})
     weight_map = {name: file for name, (_, _, file) in exported.tensors.items()}
@@ -146,30 +191,69 @@ def _carry_over(source: Checkpoint, out: Path) -> int:
     return len(missing)
 
 
-def _source_weight(source: Checkpoint, module: str, cache: dict) -> np.ndarray | None:
-    """The bf16 source weight of a quantized module, as float32 (fused experts are sliced)."""
-    from safetensors import safe_open
+def _source_weight(reader, module: str, cache: dict) -> np.ndarray | None:
+    """The source weight of a quantized module as the encoder saw it, as float32: bf16 widened, FP8
+    dequantized; one expert of a fused tensor."""
 
-    def load(name: str):
-        if name not in cache:
-            with safe_open(source.folder / source.tensors[name][2], framework="pt") as handle:
-                cache.clear()  # hold one source tensor at a time
-                cache[name] = handle.get_tensor(name).float().numpy()
-        return cache[name]
+    def load(name: str, expert: int | None = None):
+        if (name, expert) not in cache:
+            cache.clear()  # hold one source tensor (or expert) at a time
+            cache[name, expert] = reader.get(name, expert).float().numpy()
+        return cache[name, expert]
 
     for candidate in (module, module.replace("model.", "model.language_model.", 1)):
-        if f"{candidate}.weight" in source.tensors:
+        if f"{candidate}.weight" in reader.where:
             return load(f"{candidate}.weight")
         fused = fused_source(candidate)
-        if fused is not None and fused[0] in source.tensors:
+        if fused is not None and fused[0] in reader.where:
             name, expert, kind = fused
-            return expert_slice(load(name), expert, kind)
+            return expert_rows(load(name, expert), kind)
     return None
 
 
+def _normalise(name: str) -> str:
+    """Text-only in-memory exports name the decoder `model.*`; the checkpoint says `model.language_model.*`."""
+    return name.replace("model.language_model.", "model.", 1)
+
+
+def _check_dequantized_kept(reader, out: Path, exported: Checkpoint) -> int:
+    """Every FP8 source weight the export keeps unquantized equals its dequantized value in the config's
+    dtype, bit for bit (a fused expert tensor may be kept fused or per expert). Returns how many were checked."""
+    import torch
+    from safetensors import safe_open
+
+    by_name = {_normalise(name): name for name in exported.tensors}
+    checked = 0
+    for name in (n for n in reader.listing() if reader.is_fp8(n)):
+        if _normalise(name) in by_name:
+            kept = {by_name[_normalise(name)]: lambda name=name: reader.written(name)}
+        else:
+            pieces = split_fused_experts(name, reader.listed(name)[0]) or []
+            kept = {by_name[_normalise(p.name)]: lambda p=p, name=name: expert_rows(reader.written(name, p.expert), p.kind)
+                    for p in pieces if _normalise(p.name) in by_name}
+        for out_name, expected in kept.items():
+            if exported.tensors[out_name][1] == "U8":
+                continue  # quantized: checked against the MXFP4 encoder
+            with safe_open(out / exported.tensors[out_name][2], framework="pt") as handle:
+                got = handle.get_tensor(out_name)
+            want = expected()
+            if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                raise ExternalError(f"{out_name} is not its FP8 source weight dequantized to "
+                                    f"{reader.dequantized_dtype}; the export is wrong")
+            checked += 1
+    return checked
+
+
 def verify_export(source: Checkpoint, out: Path, patterns: list[str]) -> dict:
-    """Every quantized tensor equals mxfp4.encode of its source weight, bit for bit; no layer that
-    should be quantized (MoE experts included) was silently kept in bf16."""
+    """Every quantized tensor equals mxfp4.encode of its source weight (FP8: dequantized), bit for bit;
+    no layer that should be quantized (MoE experts included) was silently kept in bf16."""
+    from pipeline.file_to_file import CheckpointReader
+
+    with CheckpointReader(source.folder, source.config) as reader:
+        return _verify_export(source, reader, out, patterns)
+
+
+def _verify_export(source: Checkpoint, reader, out: Path, patterns: list[str]) -> dict:
     from safetensors import safe_open
 
     from pipeline import mxfp4
@@ -184,7 +268,7 @@ def verify_export(source: Checkpoint, out: Path, patterns: list[str]) -> dict:
         shape, dtype, file = exported.tensors[f"{module}.weight"]
         if dtype != "U8":
             raise ExternalError(f"{module}.weight has a scale but dtype {dtype}, not packed uint8")
-        reference = _source_weight(source, module, cache)
+        reference = _source_weight(reader, module, cache)
         if reference is None:
             unmatched.append(module)
             continue
@@ -203,8 +287,7 @@ def verify_export(source: Checkpoint, out: Path, patterns: list[str]) -> dict:
         )
     expected = set(source.linear_layers()) - excluded_layers(source.linear_layers(), patterns)
     expected -= {"lm_head"} if "lm_head" not in source.tensors and "lm_head.weight" not in exported.tensors else set()
-    normalise = lambda n: n.replace("model.language_model.", "model.", 1)  # noqa: E731
-    kept_bf16 = sorted({normalise(n) for n in expected} - {normalise(n) for n in quantized})
+    kept_bf16 = sorted({_normalise(n) for n in expected} - {_normalise(n) for n in quantized})
     if kept_bf16:
         what = "routed experts" if any(".mlp.experts." in n for n in kept_bf16) else "layers"
         raise ExternalError(
@@ -216,17 +299,19 @@ def verify_export(source: Checkpoint, out: Path, patterns: list[str]) -> dict:
         "bit_exact_tensors": len(quantized),
         "moe_experts_quantized": len(experts),
         "encoder": "pipeline.mxfp4.encode (OCP MX v1.0, Quark 'even' scale mode)",
+        "source_format": "fp8" if reader.block else "bf16",
+        "dequantized_kept_tensors": _check_dequantized_kept(reader, out, exported) if reader.block else 0,
     }
 
 
-def logit_agreement(source: Path, out: Path, windows) -> dict:
-    """Logit error, KL(bf16 || MXFP4) and top-1 agreement of the reloaded export on calibration
+def logit_agreement(source: Checkpoint, out: Path, windows) -> dict:
+    """Logit error, KL(source || MXFP4) and top-1 agreement of the reloaded export on calibration
     windows. The export is reloaded through Quark's importer, so W+A runs its activation quantizer."""
     import torch
     from transformers import AutoModelForCausalLM
 
     quark_torch = _quark()
-    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    reference = load_source(source.folder, AutoModelForCausalLM).eval()
     quantized = quark_torch.import_model_from_safetensors(None, str(out), device="cpu").float().eval()
     abs_err, kl_sum, agree, count = 0.0, 0.0, 0, 0
     with torch.no_grad():
@@ -252,8 +337,8 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
     """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary. In
     file-to-file mode a Ray `cluster` quantizes the shards as Ray tasks (same bytes)."""
     checkpoint = read_checkpoint(source)
-    if problem := fp8_source_problem(checkpoint.config, str(source)):
-        raise BadInputError(problem)
+    if is_fp8_source(checkpoint.config):
+        block_size(checkpoint.config)  # block-scaled, or one line now rather than half an export
     patterns = plan_exclusions(checkpoint, spec)
     mode = choose_mode(spec, checkpoint)
     template = spec.template or TEMPLATES.get(checkpoint.model_type, checkpoint.model_type)
@@ -279,7 +364,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
         from pipeline.calibration import calibration_windows
 
         windows = calibration_windows(calibration, AutoTokenizer.from_pretrained(source))
-        verification["logits"] = logit_agreement(source, out, windows)
+        verification["logits"] = logit_agreement(checkpoint, out, windows)
     return QuantizeSummary(
         scheme=spec.scheme,
         mode=mode,

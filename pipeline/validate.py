@@ -11,7 +11,6 @@ docs/schemas/validate.schema.json), report.md (the blog's tables) and PNG figure
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -64,15 +63,12 @@ from pipeline.workloads import Prompt, describe_source, load_prompts
 
 
 def load_target(path: Path, precision: str):
-    """The target as a float32 CPU model: bf16 weights upcast, or the MXFP4 export via Quark's importer
-    (so W+A checkpoints quantize activations as they would when served)."""
-    import transformers
+    """The target as a float32 CPU model: the source (bf16 upcast, or an FP8 source dequantized), or the
+    MXFP4 export via Quark's importer (so W+A checkpoints quantize activations as they would when served)."""
+    from pipeline.quantize import _quark, load_source
 
     if precision == "bf16":
-        config = json.loads((Path(path) / "config.json").read_text())
-        model_class = getattr(transformers, config["architectures"][0])
-        return model_class.from_pretrained(path, dtype=torch.float32).eval()
-    from pipeline.quantize import _quark
+        return load_source(Path(path)).eval()
 
     model = _quark().import_model_from_safetensors(None, str(path), device="cpu").float().eval()
     return decode_weights_once(model)

@@ -67,6 +67,14 @@ def tiny() -> Path:
     return TINY
 
 
+@pytest.fixture(scope="session")
+def tiny_fp8(tiny) -> Path:
+    """The tiny MoE target as an FP8 block-scaled checkpoint (scripts/build_tiny_fp8.py), built by `make`."""
+    folder = tiny / "qwen3.5-moe-tiny-fp8"
+    assert (folder / "config.json").is_file(), "tiny FP8 checkpoint missing: run `make install`"
+    return folder
+
+
 def reference_recipe_with(**validation):
     """The reference recipe with `validation` keys set, re-validated: the reference backend alone unless
     `backends` is given, and vLLM serving the whole matrix (not the recipe's demo subset)."""

@@ -270,7 +270,8 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def test_tiny_builder_layout(tiny):
-    expected = {"qwen3.5-tiny", "qwen3.5-tiny-dflash", "qwen3.5-moe-tiny", "qwen3.5-moe-tiny-dflash"}
+    expected = {"qwen3.5-tiny", "qwen3.5-tiny-dflash", "qwen3.5-moe-tiny", "qwen3.5-moe-tiny-dflash",
+                "qwen3.5-moe-tiny-fp8"}  # the last by scripts/build_tiny_fp8.py
     assert {p.name for p in tiny.iterdir()} == expected  # no temp leftovers
     for name in ("qwen3.5-tiny", "qwen3.5-moe-tiny"):
         config = json.loads((tiny / name / "config.json").read_text())

@@ -189,10 +189,10 @@ MODEL_CASES = {
     "mtp-on-llama": (None, None, "", ["'mtp' needs a target with an MTP head"]),
     "calibration-file-missing": (None, None, "[calibration]\ndataset = 'file'\npath = 'nowhere.txt'\n", ["calibration.path"]),
     "budget-beyond-block": (None, None, "", ["exceeds the drafter's block_size 16"]),
-    "target-fp8-source": (lambda t: model_copy(t, TINY / "qwen3.5-tiny", "T", {
+    "target-per-tensor-fp8": (lambda t: model_copy(t, TINY / "qwen3.5-tiny", "T", {
         **json.loads((TINY / "qwen3.5-tiny" / "config.json").read_text()),
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}), None, "",
-        ["FP8 block-scaled checkpoint", "bf16 sources only"]),
+        "quantization_config": {"quant_method": "fp8"}}), None, "",
+        ["weight_block_size", "per-tensor FP8 is not supported"]),
 }
 
 

@@ -26,7 +26,7 @@ REPO = "owner/model-mxfp4"
 DRAFTER_FILES = {"model.safetensors": "a" * 64, "config.json": "b" * 64}
 
 
-def make_run(out, *, passed: bool, serving=None, reference=None) -> RunArtifacts:
+def make_run(out, *, passed: bool, serving=None, reference=None, source_format="bf16") -> RunArtifacts:
     """A run folder with every artifact the card reads (the validate report is a real build_report one)."""
     write_report(out, {"gsm8k": 0.7, "mbpp": 0.7}, serving=serving, reference=reference)
     for stage in ("quantize", "pair", "gate"):
@@ -34,8 +34,10 @@ def make_run(out, *, passed: bool, serving=None, reference=None) -> RunArtifacts
     write_artifact(QuantizeReport(target="/t", target_digest="d" * 64, scheme="mxfp4", mode="in_memory",
                                   template="qwen3_5", exclude=["lm_head", "*mtp*"], quantized_layers=210,
                                   excluded_layers=1, carried_over_tensors=3, versions={"amd-quark": "0.13"},
-                                  verification=ExportVerification(bit_exact_tensors=210, moe_experts_quantized=0,
-                                                                  encoder="pipeline.mxfp4.encode")),
+                                  verification=ExportVerification(
+                                      bit_exact_tensors=210, moe_experts_quantized=0, encoder="pipeline.mxfp4.encode",
+                                      source_format=source_format,
+                                      dequantized_kept_tensors=56 if source_format == "fp8" else 0)),
                    out / "quantize" / "mxspec-quantize.json")
     write_artifact(PairManifest(target=ModelRef(ref="/t", revision=None, digest="d" * 64),
                                 quantized_target=QuantizedRef(path="/q", digest="e" * 64),
@@ -77,6 +79,13 @@ def test_card_states_what_the_run_measured(tmp_path):
     assert "Gate: **pass** (passed" in card
     assert "End-to-end serving throughput (no vLLM backend in this run)." in card
     assert "Method `ar` (listed in the recipe, not in this report)." in card
+
+
+def test_a_card_of_an_fp8_source_says_what_bf16_means_there(tmp_path):
+    card = render_model_card(recipe(), make_run(tmp_path, passed=True, source_format="fp8"), REPO)
+    assert "Source: an FP8 block-scaled checkpoint" in card and "the 56 FP8 weights kept unquantized" in card
+    plain = render_model_card(recipe(), make_run(tmp_path / "bf16", passed=True), REPO)
+    assert "FP8" not in plain
 
 
 def test_a_forced_card_says_the_gate_did_not_pass(tmp_path):

@@ -110,10 +110,11 @@ def test_a_sliding_window_drafter_layer_keeps_at_most_its_window():
 def test_an_fp8_source_counts_a_byte_per_weight_and_a_float32_scale_per_128_block():
     tensors = {"a.weight": (256, 300), "lm_head.weight": (64, 128), "norm.weight": (300,),
                "mlp.experts.gate_up_proj": (2, 256, 128)}
-    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                   "modules_to_not_convert": ["lm_head"]}}
     expected = 256 * 300 + 2 * 3 * 4 + 64 * 128 * 2 + 300 * 2 + 4 * (128 * 128 + 1 * 1 * 4)
     assert memory.fp8_bytes(tensors, fp8) == expected
-    assert memory.source_format({"quantization_config": fp8}) == "fp8" and memory.source_format({}) == "bf16"
+    assert memory.source_format(fp8) == "fp8" and memory.source_format({}) == "bf16"
 
 
 def test_the_397b_fp8_release_sizes_and_amds_exclusions_fit_one_mi355x():
@@ -125,6 +126,11 @@ def test_the_397b_fp8_release_sizes_and_amds_exclusions_fit_one_mi355x():
     assert plan.source_format == "fp8"
     assert 400e9 < plan.source_bytes < 410e9 < 800e9 < memory.bf16_bytes(memory.checkpoint_tensors(config))
     assert plan.mxfp4_bytes < 0.6 * plan.source_bytes and plan.fits
+    # To quantize it in memory the model is held dequantized to float32: 4 bytes per weight (1.6 TB), x 2.5;
+    # 3 TB would do for a bf16 source of the same size (2 bytes per weight)
+    roomy = memory.plan_memory(config, None, amd, max_model_len=None, available_bytes=5 * 10**12)
+    tight = memory.plan_memory(config, None, amd, max_model_len=None, available_bytes=3 * 10**12)
+    assert roomy.quantize_mode_here == "in_memory" and tight.quantize_mode_here == "file_to_file"
 
 
 def test_a_pair_that_needs_more_than_the_gpus_does_not_fit_and_tensor_parallel_splits_it():

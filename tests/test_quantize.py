@@ -67,14 +67,24 @@ def test_bad_exclusions_fail_before_quark(tiny):
         plan_exclusions(checkpoint, Quantization(exclude=["*.linear_attn.in_proj_a"]))
 
 
-def test_an_fp8_source_is_refused_before_quark(tmp_path, tiny):
+def test_a_per_tensor_fp8_source_is_refused_before_quark(tmp_path, tiny):
     source = tmp_path / "fp8"
     shutil.copytree(tiny / "qwen3.5-tiny", source)
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(BadInputError, match="FP8 block-scaled checkpoint"):
+    with pytest.raises(BadInputError, match="per-tensor FP8 is not supported"):
         quantize_checkpoint(source, tmp_path / "out", Quantization(mode="in_memory"))
     assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_source_is_held_in_float32_to_quantize_in_memory(tiny_fp8, monkeypatch):
+    checkpoint = read_checkpoint(tiny_fp8)
+    elements = sum(math.prod(shape) for name, (shape, _, _) in checkpoint.tensors.items()
+                   if not name.endswith("_scale_inv"))
+    monkeypatch.setattr(quantize_module, "available_memory_bytes", lambda: int(elements * 4 * 2.5) + 1)
+    assert choose_mode(Quantization(mode="auto"), checkpoint) == "in_memory"
+    monkeypatch.setattr(quantize_module, "available_memory_bytes", lambda: int(elements * 4 * 2.5) - 1)
+    assert choose_mode(Quantization(mode="auto"), checkpoint) == "file_to_file"
 
 
 def test_mode_choice(tiny):
@@ -91,9 +101,7 @@ def _quantized_tensors(folder: Path) -> dict[str, bytes]:
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
     names = [n.removesuffix("_scale") for n in tensors if n.endswith(".weight_scale")]
-    # Text-only in-memory exports name the decoder `model.*`; the checkpoint says `model.language_model.*`.
-    norm = lambda n: n.replace("model.language_model.", "model.", 1)  # noqa: E731
-    return {norm(n): tensors[n].numpy().tobytes() + tensors[n + "_scale"].numpy().tobytes() for n in names}
+    return {n: tensors[n].numpy().tobytes() + tensors[n + "_scale"].numpy().tobytes() for n in names}
 
 
 SAFETENSORS_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
@@ -137,12 +145,60 @@ def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, sc
 
     from pipeline.validate import load_target
 
-    reloaded = quantize_module._quark().import_model_from_safetensors(None, str(tmp_path / "in_memory"), device="cpu")
+    reloaded = quantize_module._quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")
     ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         quantized, source = reloaded.float().eval()(ids).logits[0], load_target(tiny / name, "bf16")(ids).logits[0]
     assert torch.nn.functional.cosine_similarity(quantized, source, dim=-1).mean() > 0.8
     assert not torch.allclose(quantized, source, atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["mxfp4", "mxfp4_weight_only"])
+def test_an_fp8_source_gives_the_same_bytes_in_both_modes_and_is_verified(tmp_path, tiny_fp8, scheme):
+    """Qwen's FP8 release layout in (fused experts and per-expert MTP weights e4m3 with 128x128 scales, one
+    scale in another shard): both modes encode the float32 dequantized weights, keep the rest dequantized
+    in bf16, drop the scales, and agree to the byte."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.quantize import load_source
+
+    def as_bytes(tensor) -> bytes:
+        return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+    exports = {}
+    for mode in ("in_memory", "file_to_file"):
+        summary = quantize_checkpoint(tiny_fp8, tmp_path / mode, Quantization(scheme=scheme, mode=mode))
+        verification = summary.verification
+        assert verification["source_format"] == "fp8" and verification["bit_exact_tensors"] == 4 * 8 * 3
+        # attention, GDN and shared-expert projections of 4 layers, and the MTP layer's FP8 weights
+        assert verification["dequantized_kept_tensors"] == 56
+        exported = read_checkpoint(tmp_path / mode)
+        assert {dtype for _, dtype, _ in exported.tensors.values()} == {"BF16", "U8"}  # no float8 or float32 left
+        assert not any(name.endswith("_scale_inv") for name in exported.tensors)
+        assert exported.tensors["mtp.layers.0.self_attn.q_proj.weight"][1] == "BF16"  # the MTP head, dequantized
+        config = json.loads((tmp_path / mode / "config.json").read_text())
+        assert config["quantization_config"]["quant_method"] == "quark" and config["dtype"] == "bfloat16"
+        exports[mode] = {name: as_bytes(tensor) for file in sorted((tmp_path / mode).glob("*.safetensors"))
+                         for name, tensor in load_file(file).items()}
+    assert exports["in_memory"] == exports["file_to_file"]  # names included: a text-only class names its decoder model.*
+    # The export reloads in Quark's importer and computes about what the dequantized source computes.
+    source = read_checkpoint(tiny_fp8)
+    reloaded = quantize_module._quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")
+    dequantized = load_source(tiny_fp8).eval()
+    ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = reloaded.float().eval()(ids).logits[0], dequantized(ids).logits[0]
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).mean() > 0.8
+    # The check of kept weights can fail: one kept weight one bf16 ulp off is refused.
+    name = "model.layers.0.linear_attn.out_proj.weight"
+    file = tmp_path / "file_to_file" / exported.tensors[name][2]
+    tensors = load_file(file)
+    tensors[name] = (tensors[name].view(torch.int16) + 1).view(torch.bfloat16)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ExternalError, match="is not its FP8 source weight dequantized"):
+        quantize_module.verify_export(source, tmp_path / "file_to_file", summary.exclude)
 
 
 @pytest.mark.slow

@@ -169,27 +169,14 @@ def test_a_cell_no_node_can_hold_is_bad_input_not_a_hang(tmp_path, two_nodes):
                   RayExecutor(Cluster(executor="ray", device="cpu", cpus_per_cell=2)))  # 2 CPUs in all, 1 a node
 
 
-def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, tiny, two_nodes):
-    """The tiny MoE target split into two shards, quantized file-to-file here and as two Ray tasks
-    (one per shard, on either node): every output file is identical, and both pass the bit-exact check."""
-    from safetensors.torch import load_file, save_file
-
-    from pipeline.checkpoint import write_index
+def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, tiny_fp8, two_nodes):
+    """The tiny FP8 MoE target (two shards, one weight's scale in the other shard), quantized file-to-file
+    here and as two Ray tasks (one per shard, on either node): every output file is identical, and both
+    pass the bit-exact check."""
     from pipeline.quantize import quantize_checkpoint
     from pipeline.recipe import Quantization
 
-    source = tmp_path / "two-shards"
-    shutil.copytree(tiny / "qwen3.5-moe-tiny", source, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    tensors = {}
-    for path in sorted((tiny / "qwen3.5-moe-tiny").glob("*.safetensors")):
-        tensors |= load_file(path)
-    names, weight_map = sorted(tensors), {}
-    for index, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), start=1):
-        shard = f"model-{index:05d}-of-00002.safetensors"
-        save_file({n: tensors[n] for n in part}, str(source / shard), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(part, shard)
-    write_index(source, weight_map)
-
+    source = tiny_fp8
     spec = Quantization(mode="file_to_file")
     here = quantize_checkpoint(source, tmp_path / "here", spec)
     on_ray = quantize_checkpoint(source, tmp_path / "on-ray", spec, cluster=Cluster(executor="ray", device="cpu"))
