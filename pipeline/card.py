@@ -113,8 +113,9 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         f"({quant.verification.bit_exact_tensors} tensors)."),
         *([(f"- Source: an FP8 block-scaled checkpoint. Each weight was dequantized to float32 (e4m3 "
             f"times its tile's scale) before MXFP4 encoding; the {quant.verification.dequantized_kept_tensors} FP8 "
-            "weights kept unquantized are stored dequantized in bf16. \"bf16\" below means this dequantized "
-            "source.")] if quant.verification.source_format == "fp8" else []),
+            "weights kept unquantized are stored dequantized in the base model's dtype. In the reference "
+            "backend's rows \"bf16\" means this dequantized source; served \"bf16\" rows ran the FP8 checkpoint "
+            "as vLLM serves it.")] if quant.verification.source_format == "fp8" else []),
         "",
         "## Paired drafter (not modified, not uploaded here)", "",
         f"- Drafter: `{drafter_name(recipe)}`" + (f" at revision `{drafter.revision}`" if drafter.revision else "")

@@ -207,7 +207,8 @@ def _memory_rows(recipe: Recipe) -> dict[str, str]:
     return {
         "sizes": f"target {plan.source_format} {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; {drafter}",
         "auto mode here": f"{plan.quantize_mode_here} ({_size(plan.available_bytes)} free; in memory needs "
-                          f"{IN_MEMORY_FACTOR} x the bf16 size)",
+                          f"{IN_MEMORY_FACTOR} x the model as held: "
+                          f"{'float32, dequantized' if plan.source_format == 'fp8' else 'bf16'})",
         "one MI355X": f"{'fits' if plan.fits else 'does not fit'}: {_size(plan.need_bytes_per_gpu)} of "
                       f"{_size(per_gpu)} per GPU for the {plan.largest_server.upper()} server's weights and one "
                       f"{plan.max_model_len}-token sequence (TP {plan.tensor_parallel_size}, utilization "

@@ -71,6 +71,8 @@ class ShardReader:
         begin, end = self.header[name]["data_offsets"]
         shape = self.shape(name)
         if index is not None:
+            if not 0 <= index < shape[0]:
+                raise IndexError(f"{self.path}: {name} has {shape[0]} slices, not {index + 1}")
             step = (end - begin) // shape[0]
             begin, end, shape = begin + index * step, begin + (index + 1) * step, shape[1:]
         buffer = bytearray(end - begin)
@@ -110,6 +112,12 @@ class CheckpointReader:
         shape, dtype = shard.shape(name), shard.dtype(name)
         if self.is_fp8(name):
             return shape, self.dequantized_dtype
+        if name.endswith(fp8.SCALE_SUFFIX) and self.block is not None:
+            raise BadInputError(f"{self.where[name]}: {name} has no weight {name.removesuffix(fp8.SCALE_SUFFIX)}; "
+                                "the checkpoint is incomplete, re-download it")
+        if dtype not in _TORCH_DTYPES:
+            raise BadInputError(f"{self.where[name]}: {name} is {dtype}, which mxspec does not read "
+                                f"(it reads {', '.join(sorted(_TORCH_DTYPES))})")
         if dtype == fp8.SAFETENSORS_DTYPE:
             raise BadInputError(f"{self.where[name]}: {name} is float8 but has no {fp8.scale_name(name)} "
                                 "(or the config does not say quant_method 'fp8'); the checkpoint is incomplete")

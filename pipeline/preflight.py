@@ -140,6 +140,11 @@ def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPla
         return f"sized for Qwen3.5 targets only; this one is {target.get('model_type')!r}"
     q, s, served = recipe.quantization, recipe.serving, recipe.served
     speculative = [m for m in served.methods if m != "ar"]
+    if is_fp8_source(target):
+        try:
+            block_size(target)
+        except BadInputError as exc:
+            return str(exc)
     try:
         layers = linear_layers_from_tensors(checkpoint_tensors(target))
         exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)

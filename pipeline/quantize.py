@@ -111,8 +111,8 @@ def _quant_config(template: str, scheme: str, patterns: list[str]):
 def load_source(folder: Path, model_class=None):
     """The source model in float32, for transformers to run: bf16 weights upcast; an FP8 source's weights
     dequantized as the quantizer sees them (`CheckpointReader`), its config without the FP8
-    quantization_config (transformers would want a GPU for it). `model_class` defaults to the config's
-    architecture."""
+    quantization_config (transformers' own FP8 loader dequantizes to bf16 on a CPU, not what the encoder
+    sees). `model_class` defaults to the config's architecture."""
     import torch
     import transformers
 
@@ -379,7 +379,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
 
 class QuantizeStage:
     name = "quantize"
-    version = 3
+    version = 4  # 4: FP8 sources; text-only file-to-file exports name their decoder model.*
     sections = ("quantization", "calibration")
     requires = ("resolve/target.json",)  # the target only: a drafter change never re-quantizes
     tools = ("amd-quark", "torch", "transformers", "safetensors")

@@ -107,6 +107,23 @@ def test_a_float8_tensor_without_its_scale_is_bad_input(tmp_path):
         reader.listing()
 
 
+def test_a_scale_without_its_weight_and_an_unknown_dtype_are_bad_input(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x.weight_scale_inv": torch.ones(1, 1)}, tmp_path / "model.safetensors")
+    with CheckpointReader(tmp_path, CONFIG) as reader, pytest.raises(BadInputError, match="has no weight x.weight"):
+        reader.listing()
+    save_file({"y": torch.zeros(4, dtype=torch.int16)}, tmp_path / "model.safetensors")
+    with CheckpointReader(tmp_path, {}) as reader, pytest.raises(BadInputError, match="I16, which mxspec does not read"):
+        reader.listing()
+
+
+def test_reading_one_expert_past_the_last_is_refused(tiny_fp8):
+    config = json.loads((tiny_fp8 / "config.json").read_text())
+    with CheckpointReader(tiny_fp8, config) as reader, pytest.raises(IndexError, match="has 8 slices"):
+        reader.get("model.language_model.layers.1.mlp.experts.gate_up_proj", 8)
+
+
 @pytest.mark.slow
 def test_dequantization_equals_quarks_block_dequantization():
     """Quark's FP8-to-MXFP4 flow dequantizes with a Triton kernel (CUDA only); its torch form for vLLM
