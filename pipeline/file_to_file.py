@@ -39,7 +39,7 @@ _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64"
 _TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8",
                 torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL",
                 torch.float8_e4m3fn: fp8.SAFETENSORS_DTYPE}
-_TORCH_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
+TORCH_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}  # safetensors dtype -> torch
 
 
 class ShardReader:
@@ -78,7 +78,7 @@ class ShardReader:
         buffer = bytearray(end - begin)
         if os.preadv(self.fd, [buffer], self.data_start + begin) != len(buffer):
             raise OSError(f"{self.path}: short read of {name}")
-        return torch.frombuffer(buffer, dtype=_TORCH_DTYPES[self.dtype(name)]).view(shape)
+        return torch.frombuffer(buffer, dtype=TORCH_DTYPES[self.dtype(name)]).view(shape)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -115,9 +115,9 @@ class CheckpointReader:
         if name.endswith(fp8.SCALE_SUFFIX) and self.block is not None:
             raise BadInputError(f"{self.where[name]}: {name} has no weight {name.removesuffix(fp8.SCALE_SUFFIX)}; "
                                 "the checkpoint is incomplete, re-download it")
-        if dtype not in _TORCH_DTYPES:
+        if dtype not in TORCH_DTYPES:
             raise BadInputError(f"{self.where[name]}: {name} is {dtype}, which mxspec does not read "
-                                f"(it reads {', '.join(sorted(_TORCH_DTYPES))})")
+                                f"(it reads {', '.join(sorted(TORCH_DTYPES))})")
         if dtype == fp8.SAFETENSORS_DTYPE:
             raise BadInputError(f"{self.where[name]}: {name} is float8 but has no {fp8.scale_name(name)} "
                                 "(or the config does not say quant_method 'fp8'); the checkpoint is incomplete")
@@ -138,7 +138,7 @@ class CheckpointReader:
 
     def written(self, name: str, index: int | None = None) -> torch.Tensor:
         """The tensor (or its `index`-th slice) as it is written when it stays unquantized: in its listed dtype."""
-        return self.get(name, index).to(_TORCH_DTYPES[self.listed(name)[1]])
+        return self.get(name, index).to(TORCH_DTYPES[self.listed(name)[1]])
 
     def close(self) -> None:
         for shard in self.shards.values():
@@ -229,7 +229,7 @@ def quantize_shard(source: Path, out: Path, shard: str, weight_config, quantized
         entries, work = _plan_shard(header, order, quantized_modules)
         if not entries:
             return weight_map  # a shard of FP8 scales alone: its scales are read, nothing is written
-        dtypes = {name: _TORCH_DTYPES[dtype] for name, dtype, _ in entries}
+        dtypes = {name: TORCH_DTYPES[dtype] for name, dtype, _ in entries}
         writer = StreamingSafetensorsWriter(out / shard, [(export_name(name, config), dtype, shape)
                                                           for name, dtype, shape in entries])
         cached_key, cached = None, None  # one expert of a fused tensor feeds its gate and up work items

@@ -29,6 +29,7 @@ from pipeline.checkpoint import (
     Checkpoint,
     copy_side_files,
     expert_rows,
+    export_name,
     fused_source,
     read_checkpoint,
     split_fused_experts,
@@ -36,7 +37,7 @@ from pipeline.checkpoint import (
 )
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.exclusions import check_exclusions, excluded_layers, exclusion_patterns
-from pipeline.fp8 import block_size, is_fp8_source
+from pipeline.fp8 import SCALE_SUFFIX, block_size, is_fp8_source
 from pipeline.layout import CHECKPOINT, QUANTIZE_REPORT
 from pipeline.memory import IN_MEMORY_BYTES_PER_ELEMENT, available_memory_bytes, quantize_mode_for
 from pipeline.recipe import Calibration, Cluster, Quantization
@@ -64,7 +65,7 @@ def choose_mode(spec: Quantization, checkpoint: Checkpoint) -> str:
     held = checkpoint.size_bytes
     if is_fp8_source(checkpoint.config):
         elements = sum(math.prod(shape) for name, (shape, _, _) in checkpoint.tensors.items()
-                       if not name.endswith("_scale_inv"))
+                       if not name.endswith(SCALE_SUFFIX))
         held = elements * IN_MEMORY_BYTES_PER_ELEMENT["fp8"]
     return quantize_mode_for(held, available_memory_bytes())
 
@@ -137,6 +138,7 @@ def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None
     import torch
     import transformers
 
+    from pipeline.file_to_file import TORCH_DTYPES
     from pipeline.fp8 import output_dtype
 
     quark_torch = _quark()
@@ -155,7 +157,7 @@ def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None
     model = quantizer.quantize_model(model, None)  # MXFP4 weight scales need no calibration data
     model = quantizer.freeze(model)
     if fp8_source:  # what stays unquantized is written as file_to_file writes it (packed bytes are not floats)
-        dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[output_dtype(checkpoint.config)]
+        dtype = TORCH_DTYPES[output_dtype(checkpoint.config)]
         model = model.to(dtype)
         model.config.dtype = dtype
     quark_torch.export_safetensors(
@@ -211,26 +213,20 @@ def _source_weight(reader, module: str, cache: dict) -> np.ndarray | None:
     return None
 
 
-def _normalise(name: str) -> str:
-    """Text-only in-memory exports name the decoder `model.*`; the checkpoint says `model.language_model.*`."""
-    return name.replace("model.language_model.", "model.", 1)
-
-
-def _check_dequantized_kept(reader, out: Path, exported: Checkpoint) -> int:
+def _check_dequantized_kept(reader, out: Path, exported: Checkpoint, config: dict) -> int:
     """Every FP8 source weight the export keeps unquantized equals its dequantized value in the config's
     dtype, bit for bit (a fused expert tensor may be kept fused or per expert). Returns how many were checked."""
     import torch
     from safetensors import safe_open
 
-    by_name = {_normalise(name): name for name in exported.tensors}
     checked = 0
     for name in (n for n in reader.listing() if reader.is_fp8(n)):
-        if _normalise(name) in by_name:
-            kept = {by_name[_normalise(name)]: lambda name=name: reader.written(name)}
+        if export_name(name, config) in exported.tensors:
+            kept = {export_name(name, config): lambda name=name: reader.written(name)}
         else:
             pieces = split_fused_experts(name, reader.listed(name)[0]) or []
-            kept = {by_name[_normalise(p.name)]: lambda p=p, name=name: expert_rows(reader.written(name, p.expert), p.kind)
-                    for p in pieces if _normalise(p.name) in by_name}
+            kept = {export_name(p.name, config): lambda p=p, name=name: expert_rows(reader.written(name, p.expert), p.kind)
+                    for p in pieces if export_name(p.name, config) in exported.tensors}
         for out_name, expected in kept.items():
             if exported.tensors[out_name][1] == "U8":
                 continue  # quantized: checked against the MXFP4 encoder
@@ -287,7 +283,7 @@ def _verify_export(source: Checkpoint, reader, out: Path, patterns: list[str]) -
         )
     expected = set(source.linear_layers()) - excluded_layers(source.linear_layers(), patterns)
     expected -= {"lm_head"} if "lm_head" not in source.tensors and "lm_head.weight" not in exported.tensors else set()
-    kept_bf16 = sorted({_normalise(n) for n in expected} - {_normalise(n) for n in quantized})
+    kept_bf16 = sorted({export_name(n, source.config) for n in expected} - set(quantized))
     if kept_bf16:
         what = "routed experts" if any(".mlp.experts." in n for n in kept_bf16) else "layers"
         raise ExternalError(
@@ -300,7 +296,7 @@ def _verify_export(source: Checkpoint, reader, out: Path, patterns: list[str]) -
         "moe_experts_quantized": len(experts),
         "encoder": "pipeline.mxfp4.encode (OCP MX v1.0, Quark 'even' scale mode)",
         "source_format": "fp8" if reader.block else "bf16",
-        "dequantized_kept_tensors": _check_dequantized_kept(reader, out, exported) if reader.block else 0,
+        "dequantized_kept_tensors": _check_dequantized_kept(reader, out, exported, source.config) if reader.block else 0,
     }
 
 
