@@ -21,6 +21,14 @@ vLLM's ``QuarkConfig`` also refuses float32 models, the fast dtype on CPUs witho
 re-registers the "quark" method (``register_quantization_config``, which is meant to replace a method's
 config class) with a subclass that accepts float32 as well.
 
+MoE routed experts have no kernel registry: Quark's ``QuarkOCP_MX_MoEMethod`` picks a fused-MoE backend in
+its constructor, and on a CPU without AMX none exists ("No MXFP4 MoE backend supports the deployment
+configuration"); with AMX, vLLM's CPU kernel is weight-only and would run a W+A checkpoint's experts with
+unquantized activations (vLLM's "Falling back ... with BF16 activations"). The config subclass therefore answers MXFP4 expert layers with ``CpuMxfp4MoEMethod``:
+Quark's parameters and weight loading, the experts decoded once after loading, and ``run_experts`` (a
+loop over the experts a batch selected, activations fake-quantized before each expert Linear for W+A,
+as Quark's importer does for its per-expert Linears).
+
 The plugin does nothing on other platforms: ROCm and CUDA vLLM have native and emulation kernels.
 """
 
@@ -30,17 +38,26 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from vllm.logger import init_logger
 from vllm.model_executor.kernels.linear import (
     MxFp4LinearKernel,
     MxFp4LinearLayerConfig,
     register_linear_kernel,
 )
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.quark.quark import QuarkConfig
-from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
+from vllm.model_executor.layers.quantization.quark.quark_moe import QuarkMoEMethod, QuarkOCP_MX_MoEMethod
+from vllm.model_executor.layers.quantization.utils.ocp_mx_utils import OCP_MX_Scheme
+from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, kMxfp4Dynamic, kMxfp4Static
 from vllm.platforms import PlatformEnum, current_platform
 
 from pipeline import mxfp4
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handlers and level apply in the server
 
 _FLOAT32_MANTISSA_BITS = 23
 _EVEN_ROUND_HALF_ULP = 1 << (_FLOAT32_MANTISSA_BITS - 2)  # half an ulp of a 1-bit mantissa
@@ -116,20 +133,102 @@ class CpuMxfp4LinearKernel(MxFp4LinearKernel):
         return F.linear(x, layer.weight, bias)
 
 
-class CpuQuarkConfig(QuarkConfig):
-    """vLLM's Quark config, also accepting float32 models.
+# --- MoE experts ------------------------------------------------------------------------------------
 
-    Upstream accepts float16/bfloat16 only (what native MX kernels take). The kernel above computes in
+
+def dequantize_experts(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed MXFP4 experts ``[E, out, in/2]`` + e8m0 ``[E, out, in/32]`` -> ``[E, out, in]`` of ``dtype``."""
+    experts, rows, _ = packed.shape
+    flat = dequantize_weight(packed.reshape(experts * rows, -1), scales.reshape(experts * rows, -1), dtype)
+    return flat.reshape(experts, rows, -1)
+
+
+def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, quantize_activations: bool) -> torch.Tensor:
+    """Routed SwiGLU experts, one selected expert at a time: ``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))``.
+
+    ``w13[e]`` is expert e's gate rows then its up rows (vLLM's fused layout), ``w2[e]`` its down
+    projection. With ``quantize_activations`` (W+A), each expert Linear's input is fake-quantized to MXFP4
+    as Quark's importer does for every per-expert Linear: the token's hidden state before gate and up
+    (one quantization serves both: the blocks are per row) and the gated product before down."""
+    inputs = quant_dequant_activations(x) if quantize_activations else x
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        tokens, slot = torch.where(topk_ids == expert)
+        gate, up = F.linear(inputs[tokens], w13[expert]).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        if quantize_activations:
+            hidden = quant_dequant_activations(hidden)
+        routed = F.linear(hidden, w2[expert]) * topk_weights[tokens, slot, None].to(x.dtype)
+        out.index_add_(0, tokens, routed)
+    return out
+
+
+class CpuMxfp4MoEMethod(QuarkOCP_MX_MoEMethod):
+    """Quark MXFP4 routed experts on CPU.
+
+    Quark's MoE method creates and loads the checkpoint's packed experts and scales as on any platform;
+    its constructor would then pick a fused-MoE backend (none on a CPU without AMX, a weight-only one
+    with it), so this class sets up the same attributes without choosing one. After loading, the experts are decoded once
+    (as the linear kernel does), and ``apply`` runs ``run_experts``. There is no modular kernel, so vLLM's
+    MoE runner computes the shared experts itself, before the routed ones."""
+
+    def __init__(self, moe: FusedMoEConfig, weight_quant_key: QuantKey, activation_quant_key: QuantKey | None):
+        QuarkMoEMethod.__init__(self, moe, weight_quant_key, activation_quant_key)
+        if weight_quant_key != kMxfp4Static or activation_quant_key not in (None, kMxfp4Dynamic):
+            raise NotImplementedError("mxspec's CPU experts run MXFP4 weights with bf16 or dynamic MXFP4 activations only")
+        if moe.activation != MoEActivation.SILU or moe.has_bias:
+            raise NotImplementedError("mxspec's CPU experts run SwiGLU experts without bias only (Qwen3.5's)")
+        self.weight_dtype = "mxfp4"
+        self.input_dtype = None if activation_quant_key is None else "mxfp4"
+        self.ocp_mx_scheme = OCP_MX_Scheme.from_quant_dtype(self.input_dtype, self.weight_dtype)
+        self.static_input_scales = False
+        self.mxfp4_backend = Mxfp4MoeBackend.NONE
+        self.experts_cls = None
+        logger.info_once("Using CpuMxfp4MoEMethod for MXFP4 experts (%s)", self.ocp_mx_scheme)
+
+    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+        return FusedMoEMethodBase.maybe_roundup_sizes(
+            self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        dtype = self.moe.in_dtype
+        w13 = dequantize_experts(layer.w13_weight.data, layer.w13_weight_scale.data, dtype)
+        w2 = dequantize_experts(layer.w2_weight.data, layer.w2_weight_scale.data, dtype)
+        layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+        del layer.w13_weight_scale, layer.w2_weight_scale  # folded into the weights
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None  # no modular kernel to configure
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        if layer.expert_map is not None or layer.apply_router_weight_on_input:
+            raise NotImplementedError("mxspec's CPU experts run without expert parallelism or input-side router weights")
+        return run_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                           quantize_activations=self.input_dtype is not None)
+
+
+class CpuQuarkConfig(QuarkConfig):
+    """vLLM's Quark config, also accepting float32 models, with MXFP4 experts run by `CpuMxfp4MoEMethod`.
+
+    Upstream accepts float16/bfloat16 only (what native MX kernels take). The kernels above compute in
     any dtype, and float32 is the fast one on CPUs without native bfloat16."""
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [*super().get_supported_act_dtypes(), torch.float32]
 
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        weight_key, activation_key, method_cls = self.get_quant_method_target(prefix, type(layer))
+        if method_cls is QuarkOCP_MX_MoEMethod:
+            return CpuMxfp4MoEMethod(layer.moe_config, weight_key, activation_key)
+        return super().get_quant_method(layer, prefix)
+
 
 @functools.cache
 def register() -> None:
     """``vllm.general_plugins`` entry point: on CPU, add the kernel to the platform's MXFP4 candidates
-    and let Quark checkpoints be served in float32.
+    and let Quark checkpoints be served in float32 and their MXFP4 experts run.
 
     vLLM runs general plugins once per process; the cache keeps a second call (a test's, say) from
     registering the kernel twice."""

