@@ -375,7 +375,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
 
 class QuantizeStage:
     name = "quantize"
-    version = 4  # 4: FP8 sources; text-only file-to-file exports name their decoder model.*
+    version = 5  # 5: file-to-file configs list kept layers by exact name (vLLM reads no globs); 4: FP8 sources
     sections = ("quantization", "calibration")
     requires = ("resolve/target.json",)  # the target only: a drafter change never re-quantizes
     tools = ("amd-quark", "torch", "transformers", "safetensors")

