@@ -173,22 +173,24 @@ def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patt
 
 
 def _carry_over(source: Checkpoint, out: Path) -> int:
-    """Copy side files and the tensors the export lacks (the MTP head; dequantized if FP8) into `out`."""
-    from safetensors.torch import save_file
-
-    from pipeline.file_to_file import CheckpointReader
+    """Copy side files and the tensors the export lacks (the MTP head; dequantized if FP8) into `out`,
+    streamed one tensor at a time (the 397B head alone is 13 GB in bf16)."""
+    from pipeline.file_to_file import CheckpointReader, StreamingSafetensorsWriter
 
     copy_side_files(source.folder, out, overwrite=False)
     exported = read_checkpoint(out)
-    with CheckpointReader(source.folder, source.config) as reader:
-        missing = sorted(n for n in reader.listing() if CARRIED_OVER.match(n) and n not in exported.tensors)
-        tensors = {name: reader.written(name) for name in missing}
-    if not missing:
-        return 0
     extra = "model-carried-over.safetensors"
-    save_file(tensors, out / extra, metadata={"format": "pt"})
+    with CheckpointReader(source.folder, source.config) as reader:
+        listing = reader.listing()
+        missing = sorted(n for n in listing if CARRIED_OVER.match(n) and n not in exported.tensors)
+        if not missing:
+            return 0
+        writer = StreamingSafetensorsWriter(out / extra, [(name, listing[name][1], listing[name][0]) for name in missing])
+        for name in missing:
+            writer.write(name, reader.written(name))
+        writer.close()
     weight_map = {name: file for name, (_, _, file) in exported.tensors.items()}
-    weight_map.update({name: extra for name in tensors})
+    weight_map.update(dict.fromkeys(missing, extra))
     write_index(out, weight_map)
     return len(missing)
 
