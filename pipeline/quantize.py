@@ -59,9 +59,12 @@ def plan_exclusions(checkpoint: Checkpoint, spec: Quantization) -> list[str]:
 
 def choose_mode(spec: Quantization, checkpoint: Checkpoint) -> str:
     """in_memory when the model as held in memory fits comfortably (the model plus its quantized copy),
-    else file_to_file. A bf16 model is held at its size on disk, an FP8 one dequantized to float32."""
+    else file_to_file. A bf16 model is held at its size on disk, an FP8 one dequantized to float32. A
+    quantized MTP head needs file_to_file: transformers builds no MTP head to quantize in memory."""
     if spec.mode != "auto":
         return spec.mode
+    if spec.quantize_mtp and any(CARRIED_OVER.match(name) for name in checkpoint.tensors):
+        return "file_to_file"
     held = checkpoint.size_bytes
     if is_fp8_source(checkpoint.config):
         elements = sum(math.prod(shape) for name, (shape, _, _) in checkpoint.tensors.items()

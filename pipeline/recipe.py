@@ -96,6 +96,14 @@ class Quantization(_Section):
     mode: Literal["auto", "in_memory", "file_to_file"] = "auto"
     template: str | None = Field(None, description="Quark LLMTemplate name; default: from model_type")
 
+    @model_validator(mode="after")
+    def _mtp_quantized_file_to_file(self) -> Quantization:
+        # transformers builds no MTP head: in memory Quark never sees it, and its export restores it in bf16
+        if self.quantize_mtp and self.mode == "in_memory":
+            raise ValueError("quantize_mtp = true needs mode = 'file_to_file' (or 'auto'): in memory the model "
+                             "has no MTP head to quantize (transformers does not build it)")
+        return self
+
 
 class Calibration(_Section):
     dataset: Literal["shakespeare", "file"] = "shakespeare"

@@ -91,6 +91,19 @@ def test_mode_choice(tiny):
     checkpoint = read_checkpoint(tiny / "qwen3.5-tiny")
     assert choose_mode(Quantization(mode="file_to_file"), checkpoint) == "file_to_file"
     assert choose_mode(Quantization(mode="auto"), checkpoint) == "in_memory"  # 11 MB fits anywhere
+    # transformers builds no MTP head: only file to file can quantize it
+    assert choose_mode(Quantization(mode="auto", quantize_mtp=True), checkpoint) == "file_to_file"
+
+
+@pytest.mark.slow
+def test_a_quantized_mtp_head_is_written_in_mxfp4(tiny, tmp_path):
+    checkpoint = read_checkpoint(tiny / "qwen3.5-tiny")
+    summary = quantize_checkpoint(checkpoint.folder, tmp_path / "out", Quantization(quantize_mtp=True))
+    export = read_checkpoint(tmp_path / "out")
+    mtp_linears = [m for m in checkpoint.linear_layers() if m.startswith("mtp.")]
+    assert summary.mode == "file_to_file" and "mtp.fc" in mtp_linears
+    assert all(f"{m}.weight_scale" in export.tensors for m in mtp_linears)
+    assert not any(m.startswith("mtp.") for m in export.config["quantization_config"]["exclude"])
 
 
 # --- real Quark ----------------------------------------------------------------------------

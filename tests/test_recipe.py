@@ -177,3 +177,10 @@ def test_the_gpu_check_recipes_are_the_cpu_ones_made_for_a_gpu(tmp_path):
         assert recipe.validation.workloads == ["gsm8k"] and recipe.validation.num_prompts == 3
         assert recipe.target.path == original.target.path and recipe.drafter.path == original.drafter.path
         assert recipe.validation.methods == original.validation.methods
+
+
+def test_a_quantized_mtp_head_cannot_be_asked_of_in_memory_mode(tmp_path):
+    text = MINIMAL + "[quantization]\nquantize_mtp = true\nmode = \"in_memory\"\n"
+    with pytest.raises(RecipeError, match="quantize_mtp = true needs mode = 'file_to_file'"):
+        load_recipe(write(tmp_path, text))
+
