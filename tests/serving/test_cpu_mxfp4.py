@@ -266,6 +266,29 @@ def test_register_does_nothing_off_cpu(monkeypatch):
     assert cpu_mxfp4.CpuMxfp4LinearKernel.is_supported() == (False, "runs on the CPU platform only")
 
 
+def served_against_quark(spec, prompt: list[int], log: Path, max_tokens: int = 16):
+    """Serve `spec.model` with vLLM, generate `max_tokens` greedy tokens after `prompt`, and run Quark's
+    importer (float32) on the same tokens: (generated, importer logprobs [T-1, vocab], |served - importer|
+    logprob of every prompt and generated token)."""
+    from pipeline.serving.client import _post
+    from pipeline.serving.server import VllmServer
+    from pipeline.validate import load_target
+
+    # ignore_eos: the W+A export of the SmolLM2 target stops after a few tokens
+    request = {"model": "target", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+               "max_tokens": max_tokens, "logprobs": 1, "prompt_logprobs": 1}
+    with VllmServer(spec, log) as server:
+        choice = _post(f"{server.base_url}/v1/completions", request, timeout=600)["choices"][0]
+    generated = choice["token_ids"]
+    assert len(generated) == max_tokens
+    served = [entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:], prompt[1:], strict=True)]
+    served += choice["logprobs"]["token_logprobs"]
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logprobs = load_target(Path(spec.model), "mxfp4")(ids).logits[0, :-1].float().log_softmax(-1)
+    return generated, logprobs, (torch.tensor(served) - logprobs.gather(-1, ids[0, 1:, None])[:, 0]).abs()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["mxfp4"])  # W+A: the served path with the most to get wrong; weight-only
 # differs only by skipping the activation step, which the layer test above checks exactly (one server
@@ -275,35 +298,18 @@ def test_served_export_matches_quark(tmp_path, export, scheme):
     same greedy tokens, and logprobs of every prompt and generated token within 1e-2."""
     from transformers import AutoTokenizer
 
-    from pipeline.serving.client import _post
-    from pipeline.serving.server import ServerSpec, VllmServer
-    from pipeline.validate import chat_ids, load_target
+    from pipeline.serving.server import ServerSpec
+    from pipeline.validate import chat_ids
 
     checkpoint = export(scheme)
     prompt = chat_ids(AutoTokenizer.from_pretrained(checkpoint), "Why is the sky blue? Explain briefly.")
-    # ignore_eos: the W+A export of this small model stops after a few tokens.
-    request = {"model": "target", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
     # Eager, as every served recipe here runs: torch.compile of the server costs minutes and the
     # plugin's activation step is checked compiled in test_activation_qdq_is_quarks_on_ties_and_extremes above.
     spec = ServerSpec(model=str(checkpoint), dtype="float32", max_model_len=2048, enforce_eager=True)
-    with VllmServer(spec, tmp_path / "vllm.log") as server:
-        answer = _post(f"{server.base_url}/v1/completions",
-                       {**request, "max_tokens": 16, "logprobs": 1, "prompt_logprobs": 1}, timeout=600)
+    generated, logprobs, difference = served_against_quark(spec, prompt, tmp_path / "vllm.log")
     assert "Using CpuMxfp4LinearKernel for MXFP4 GEMM" in (tmp_path / "vllm.log").read_text()
-
-    choice = answer["choices"][0]
-    generated = choice["token_ids"]
-    assert len(generated) == 16
-    served = [entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:], prompt[1:], strict=True)]
-    served += choice["logprobs"]["token_logprobs"]
-
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logprobs = load_target(checkpoint, "mxfp4")(ids).logits[0, :-1].float().log_softmax(-1)
-    reference = logprobs.gather(-1, ids[0, 1:, None])[:, 0]
     greedy = logprobs[len(prompt) - 1 :].argmax(-1).tolist()
-    difference = (torch.tensor(served) - reference).abs()
-    print(f"{scheme}: max |logprob diff| {difference.max():.2e} over {len(served)} tokens "
+    print(f"{scheme}: max |logprob diff| {difference.max():.2e} over {len(difference)} tokens "
           f"(generated {difference[len(prompt) - 1 :].max():.2e})")
     assert greedy == generated
     assert float(difference.max()) < 1e-2
@@ -317,30 +323,17 @@ def test_the_mxfp4_export_of_an_fp8_moe_serves(tmp_path, tiny_fp8):
     a mean |logprob| of 0.054 (worst 0.20) on this prompt."""
     from transformers import AutoTokenizer
 
-    from pipeline.serving.client import _post
-    from pipeline.serving.server import ServerSpec, VllmServer
-    from pipeline.validate import chat_ids, load_target
+    from pipeline.serving.server import ServerSpec
+    from pipeline.validate import chat_ids
 
     checkpoint = tmp_path / "checkpoint"
     quantize_checkpoint(tiny_fp8, checkpoint, Quantization(scheme="mxfp4", mode="file_to_file"))
     prompt = chat_ids(AutoTokenizer.from_pretrained(checkpoint), "Why is the sky blue?")
-    request = {"model": "target", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-               "max_tokens": 16, "logprobs": 1, "prompt_logprobs": 1}
     spec = ServerSpec(model=str(checkpoint), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
                       extra_args=("--no-enable-prefix-caching",))
-    with VllmServer(spec, tmp_path / "vllm.log") as server:
-        choice = _post(f"{server.base_url}/v1/completions", request, timeout=600)["choices"][0]
+    _, _, difference = served_against_quark(spec, prompt, tmp_path / "vllm.log")
     assert "Using CpuMxfp4MoEMethod for MXFP4 experts" in (tmp_path / "vllm.log").read_text()
-
-    generated = choice["token_ids"]
-    assert len(generated) == 16
-    served = [entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:], prompt[1:], strict=True)]
-    served += choice["logprobs"]["token_logprobs"]
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logprobs = load_target(checkpoint, "mxfp4")(ids).logits[0, :-1].float().log_softmax(-1)
-    difference = (torch.tensor(served) - logprobs.gather(-1, ids[0, 1:, None])[:, 0]).abs()
     print(f"FP8 MoE export, bf16 server vs Quark float32: mean |logprob diff| {difference.mean():.3f}, "
-          f"max {difference.max():.3f} over {len(served)} tokens")
+          f"max {difference.max():.3f} over {len(difference)} tokens")
     assert float(difference.mean()) < 0.08 and float(difference.max()) < 0.3  # gate and up swapped: 0.118, 0.500
 
