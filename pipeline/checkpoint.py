@@ -75,6 +75,11 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
+def has_mtp_head(config: dict[str, Any]) -> bool:
+    """Whether the model has a multi-token-prediction head (Qwen3.5's `mtp.*`)."""
+    return bool(text_config(config).get("mtp_num_hidden_layers"))
+
+
 def export_name(name: str, config: dict[str, Any]) -> str:
     """The name a tensor takes in an MXFP4 export. A text-only `*ForCausalLM` names its decoder `model.*`;
     a checkpoint that stores it as `model.language_model.*` (Qwen3.5's multimodal layout) is renamed, as

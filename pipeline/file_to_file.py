@@ -27,7 +27,6 @@ from pipeline.checkpoint import (
     copy_side_files,
     expert_rows,
     export_name,
-    read_checkpoint,
     shard_files,
     split_fused_experts,
     write_index,
@@ -259,15 +258,8 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
                           cluster=None) -> dict[str, str]:
     """Quantize every shard of `source` into `out`; returns the weight map. Peak memory: ~one tensor.
 
-    The config's `exclude` lists every Linear-like layer not in `quantized_modules` by its exact export
-    name, not the recipe's patterns: Quark's own file-to-file flow resolves its patterns the same way ("for downstream platforms
-    that may not support regex/wildcard patterns"), and vLLM matches `exclude` entries exactly (or as
-    `re:` regexes), so a glob such as `*.linear_attn.*` would leave those layers looking quantized.
-
     With a Ray `cluster` ([cluster] executor = "ray"), each shard is a Ray task writing its output shard
     into `out`, which every node must see (shared storage); the bytes are the same as shard by shard here."""
-    import copy
-
     from quark.torch.quantization.file2file_quantization import _export_quant_config
 
     weight_config = quant_config.global_quant_config.weight
@@ -282,9 +274,5 @@ def quantize_file_to_file(source: Path, out: Path, quant_config, quantized_modul
     weight_map = {name: shard for part in parts for name, shard in part.items()}
     copy_side_files(source, out, overwrite=True)
     write_index(out, weight_map)
-    config = json.loads((source / "config.json").read_text())
-    resolved = copy.deepcopy(quant_config)
-    kept = set(read_checkpoint(source).linear_layers()) - quantized_modules
-    resolved.exclude = sorted(export_name(module, config) for module in kept)
-    _export_quant_config(config, resolved, str(out))
+    _export_quant_config(json.loads((source / "config.json").read_text()), quant_config, str(out))
     return weight_map

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.checkpoint import linear_modules, text_config
+from pipeline.checkpoint import has_mtp_head, linear_modules, text_config
 from pipeline.exclusions import excluded_layers
 from pipeline.fp8 import block_size, is_fp8_source
 from pipeline.mxfp4 import GROUP_SIZE
@@ -225,8 +225,13 @@ def source_format(config: dict[str, Any]) -> Literal["bf16", "fp8"]:
     return "fp8" if is_fp8_source(config) else "bf16"
 
 
-def quantize_mode_for(checkpoint_bytes: int, available_bytes: int) -> Literal["in_memory", "file_to_file"]:
-    """What `mode = "auto"` picks: in memory when the checkpoint fits IN_MEMORY_FACTOR times in free RAM."""
+def quantize_mode_for(checkpoint_bytes: int, available_bytes: int,
+                      quantizes_mtp_head: bool = False) -> Literal["in_memory", "file_to_file"]:
+    """What `mode = "auto"` picks: file to file for a quantized MTP head (transformers builds no MTP head,
+    so in memory Quark never sees it), else in memory when the checkpoint fits IN_MEMORY_FACTOR times in
+    free RAM."""
+    if quantizes_mtp_head:
+        return "file_to_file"
     return "in_memory" if checkpoint_bytes * IN_MEMORY_FACTOR < available_bytes else "file_to_file"
 
 
@@ -247,6 +252,7 @@ class MemoryPlan(BaseModel):
     mxfp4_bytes: int
     drafter_bytes: int | None  # None: the drafter's config is not known here, so it is not counted
     quantize_mode_here: Literal["in_memory", "file_to_file"]
+    quantizes_mtp_head: bool  # quantize_mtp on a target with an MTP head: auto then quantizes file to file
     available_bytes: int
     max_model_len: int
     tensor_parallel_size: int
@@ -298,7 +304,7 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
                 max_model_len: int | None, methods: tuple[str, ...] = ("ar", "mtp", "dflash"),
                 speculative_tokens: int = 0, tensor_parallel_size: int = 1,
                 gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION, gpu_bytes: int = MI355X_BYTES,
-                available_bytes: int | None = None) -> MemoryPlan:
+                available_bytes: int | None = None, quantize_mtp: bool = False) -> MemoryPlan:
     """Sizes of the target (source format, MXFP4) and drafter, `auto`'s quantize mode on this machine, and
     whether the largest server of `methods` (one method per server: MTP adds its layer's KV, DFlash the
     drafter's weights and KV; both keep 1 + `speculative_tokens` state blocks) with one sequence of
@@ -322,9 +328,11 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
     weights, sequence = servers[largest]
     budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
     available = available_memory_bytes() if available_bytes is None else available_bytes
+    quantizes_mtp_head = quantize_mtp and has_mtp_head(config)
     return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
                       quantize_mode_here=quantize_mode_for(
-                          bf16 // BF16_BYTES * IN_MEMORY_BYTES_PER_ELEMENT[fmt], available),
+                          bf16 // BF16_BYTES * IN_MEMORY_BYTES_PER_ELEMENT[fmt], available, quantizes_mtp_head),
+                      quantizes_mtp_head=quantizes_mtp_head,
                       available_bytes=available,
                       max_model_len=length, tensor_parallel_size=tensor_parallel_size, largest_server=largest,
                       sequence_bytes=sequence, gpu_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization,

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from pipeline.architecture_data import stored_for_repo
-from pipeline.checkpoint import linear_layers_from_tensors, text_config
+from pipeline.checkpoint import has_mtp_head, linear_layers_from_tensors
 from pipeline.errors import BadInputError
 from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
 from pipeline.fp8 import block_size, is_fp8_source
@@ -85,8 +85,7 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise BadInputError(f"drafter {recipe.drafter.describe()} does not pair with target "
                                 f"{recipe.target.describe()}: {problems[0]}{more}; fix [drafter] or [target]")
-    if "target" in configs and "mtp" in recipe.validation.methods \
-            and not text_config(configs["target"]).get("mtp_num_hidden_layers"):
+    if "target" in configs and "mtp" in recipe.validation.methods and not has_mtp_head(configs["target"]):
         raise BadInputError("[validation] methods: 'mtp' needs a target with an MTP head (Qwen3.5); remove it")
     if recipe.validation.prompt_source == "hub" and hub_offline():
         raise BadInputError("validation.prompt_source is 'hub' but HF_HUB_OFFLINE is set; unset it, or set "
@@ -153,7 +152,7 @@ def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPla
                            speculative_tokens=max(served.budgets) - 1 if speculative else 0,
                            tensor_parallel_size=s.tensor_parallel_size,
                            gpu_memory_utilization=s.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
-                           available_bytes=available_bytes)
+                           available_bytes=available_bytes, quantize_mtp=q.quantize_mtp)
     except (KeyError, TypeError, ValueError) as exc:
         missing = f"lacks {exc}" if isinstance(exc, KeyError) else f"is not as Qwen3.5's ({exc})"
         return f"a config {missing}"

@@ -14,6 +14,7 @@ own MXFP4 encoder (`mxfp4`), MoE layers must have packed weights for every route
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -31,6 +32,7 @@ from pipeline.checkpoint import (
     expert_rows,
     export_name,
     fused_source,
+    has_mtp_head,
     read_checkpoint,
     split_fused_experts,
     write_index,
@@ -58,19 +60,16 @@ def plan_exclusions(checkpoint: Checkpoint, spec: Quantization) -> list[str]:
 
 
 def choose_mode(spec: Quantization, checkpoint: Checkpoint) -> str:
-    """in_memory when the model as held in memory fits comfortably (the model plus its quantized copy),
-    else file_to_file. A bf16 model is held at its size on disk, an FP8 one dequantized to float32. A
-    quantized MTP head needs file_to_file: transformers builds no MTP head to quantize in memory."""
+    """`memory.quantize_mode_for` for this checkpoint: a bf16 model is held at its size on disk, an FP8 one
+    dequantized to float32; a quantized MTP head needs file_to_file."""
     if spec.mode != "auto":
         return spec.mode
-    if spec.quantize_mtp and any(CARRIED_OVER.match(name) for name in checkpoint.tensors):
-        return "file_to_file"
     held = checkpoint.size_bytes
     if is_fp8_source(checkpoint.config):
         elements = sum(math.prod(shape) for name, (shape, _, _) in checkpoint.tensors.items()
                        if not name.endswith(SCALE_SUFFIX))
         held = elements * IN_MEMORY_BYTES_PER_ELEMENT["fp8"]
-    return quantize_mode_for(held, available_memory_bytes())
+    return quantize_mode_for(held, available_memory_bytes(), spec.quantize_mtp and has_mtp_head(checkpoint.config))
 
 
 @dataclass
@@ -189,13 +188,29 @@ def _carry_over(source: Checkpoint, out: Path) -> int:
         if not missing:
             return 0
         writer = StreamingSafetensorsWriter(out / extra, [(name, listing[name][1], listing[name][0]) for name in missing])
-        for name in missing:
-            writer.write(name, reader.written(name))
+        try:
+            for name in missing:
+                writer.write(name, reader.written(name))
+        except BaseException:
+            writer.handle.close()  # the error is the one to report, not the short file
+            raise
         writer.close()
     weight_map = {name: file for name, (_, _, file) in exported.tensors.items()}
     weight_map.update(dict.fromkeys(missing, extra))
     write_index(out, weight_map)
     return len(missing)
+
+
+def _list_kept_layers(out: Path) -> None:
+    """Write the export's `quantization_config.exclude` as every Linear-like layer it keeps unquantized, by
+    exact name, whatever the mode. vLLM matches exclude entries exactly (or as `re:` regexes), not as the
+    recipe's globs, and builds every layer not listed as MXFP4; Quark's own file-to-file flow resolves its
+    patterns the same way, while its in-memory export lists what its model held (not a carried-over head)."""
+    export = read_checkpoint(out)
+    kept = [layer for layer in export.linear_layers() if f"{layer}.weight_scale" not in export.tensors]
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["exclude"] = kept
+    (out / "config.json").write_text(json.dumps(config, indent=4, ensure_ascii=False) + "\n")
 
 
 def _source_weight(reader, module: str, cache: dict) -> np.ndarray | None:
@@ -357,6 +372,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
             raise  # the machine's problem, not Quark's: the runner says so
         raise ExternalError(f"Quark failed to quantize {source} ({exc.__class__.__name__}: {exc})") from exc
     carried = _carry_over(checkpoint, out)
+    _list_kept_layers(out)
     verification = verify_export(checkpoint, out, patterns)
     layers = checkpoint.linear_layers()
     if calibration is not None and not checkpoint.is_moe and "ForCausalLM" in checkpoint.config["architectures"][0]:

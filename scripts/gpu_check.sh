@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A few minutes on one CUDA or ROCm GPU: the tiny Qwen3.5 recipe and the reference recipe through
-# validate, served by the GPU build of vLLM (MXFP4 as vLLM runs it on that GPU: native kernels where it
-# has them, Quark's emulation otherwise), next to the reference backend. For whenever a GPU is lent;
-# nothing in the project depends on it.
+# A few minutes on one CUDA or ROCm GPU: the tiny Qwen3.5 recipe (dense, and MoE quantized file to file)
+# and the reference recipe through validate, served by the GPU build of vLLM (MXFP4 as vLLM runs it on
+# that GPU: native kernels where it has them, Quark's emulation otherwise), next to the reference backend.
+# For whenever a GPU is lent; nothing in the project depends on it.
 #
 #   bash scripts/gpu_check.sh [OUT]      # default OUT: runs/gpu-check
 #   bash scripts/gpu_check.sh --dry-run  # write and check the GPU recipes only (runs anywhere)
@@ -41,13 +41,18 @@ for name, budget in (("qwen3.5-tiny-cpu", 4), ("reference-cpu", 8)):
     text = re.sub(r"^\[serving\]\n", "[serving]\ngpu_memory_utilization = 0.3\n", text, count=1, flags=re.M)
     text = re.sub(r'^name = "(.*)-cpu"', r'name = "\1-gpu-check"', text, flags=re.M)
     (out / f"{name.removesuffix('-cpu')}-gpu.toml").write_text(text)
+    if name == "qwen3.5-tiny-cpu":  # the tiny MoE too, quantized file to file (its experts: vLLM's MoE kernels)
+        moe = text.replace("/models/tiny/qwen3.5-tiny\"", "/models/tiny/qwen3.5-moe-tiny\"")
+        moe = moe.replace("/models/tiny/qwen3.5-tiny-dflash\"", "/models/tiny/qwen3.5-moe-tiny-dflash\"")
+        moe = moe.replace('mode = "in_memory"', 'mode = "file_to_file"').replace("tiny-gpu-check", "moe-tiny-gpu-check")
+        (out / "qwen3.5-moe-tiny-gpu.toml").write_text(moe)
 EOF
 
-for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
+for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/qwen3.5-moe-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
   "$PYTHON" -m pipeline.cli recipe check "$recipe" > /dev/null
 done
 if [[ $DRY_RUN == 1 ]]; then
-  echo "recipes written and checked: $OUT/qwen3.5-tiny-gpu.toml $OUT/reference-gpu.toml"
+  echo "recipes written and checked: $OUT/qwen3.5-tiny-gpu.toml $OUT/qwen3.5-moe-tiny-gpu.toml $OUT/reference-gpu.toml"
   exit 0
 fi
 
@@ -63,12 +68,14 @@ print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_devi
 EOF
 
 status=0
-for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
+for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/qwen3.5-moe-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
   name=$(basename "$recipe" .toml)
   echo "== $name"
   SECONDS=0
-  "$PYTHON" -m pipeline.cli run "$recipe" --out "$OUT/$name" --until validate || status=$?
-  echo "$name: ${SECONDS} s, exit $status; report: $OUT/$name/validate/report.md"
+  code=0
+  "$PYTHON" -m pipeline.cli run "$recipe" --out "$OUT/$name" --until validate || code=$?
+  [[ $code == 0 ]] || status=$code
+  echo "$name: ${SECONDS} s, exit $code; report: $OUT/$name/validate/report.md"
   if [[ -f "$OUT/$name/validate/report.md" ]]; then
     cat "$OUT/$name/validate/report.md"
   fi

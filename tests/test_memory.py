@@ -71,6 +71,17 @@ def test_mxfp4_bytes_pack_half_a_byte_per_weight_plus_a_scale_per_32_and_keep_ex
 def test_auto_quantizes_in_memory_only_with_room_for_two_and_a_half_copies():
     assert memory.quantize_mode_for(10, 26) == "in_memory"
     assert memory.quantize_mode_for(10, 25) == "file_to_file"
+    assert memory.quantize_mode_for(10, 10**9, quantizes_mtp_head=True) == "file_to_file"  # no head in memory
+
+
+def test_a_quantized_mtp_head_is_planned_file_to_file_only_where_there_is_a_head():
+    qwen = arch.load_config("qwen3.5-27b")
+    headless_config = {**qwen, "text_config": {**qwen["text_config"], "mtp_num_hidden_layers": 0}}
+    roomy = {"max_model_len": 4096, "available_bytes": 10**13}
+    assert memory.plan_memory(qwen, None, [], quantize_mtp=True, **roomy).quantize_mode_here == "file_to_file"
+    assert memory.plan_memory(qwen, None, [], **roomy).quantize_mode_here == "in_memory"
+    headless = memory.plan_memory(headless_config, None, [], quantize_mtp=True, **roomy)
+    assert headless.quantize_mode_here == "in_memory" and not headless.quantizes_mtp_head
 
 
 def test_the_27b_pair_fits_one_mi355x_and_the_largest_server_sets_the_need():

@@ -150,6 +150,9 @@ def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, sc
             assert experts == 4 * 8 * 3  # 4 layers x 8 experts x gate/up/down
             assert summary.quantized_layers == experts  # only routed experts, by the family defaults
         results[mode] = _quantized_tensors(tmp_path / mode)
+        # vLLM reads exclude entries as exact names: every kept Linear (the carried MTP head included) is named
+        kept = [m for m in exported.linear_layers() if f"{m}.weight_scale" not in exported.tensors]
+        assert config["exclude"] == kept and any(m.startswith("mtp.") for m in kept)
     assert results["in_memory"] == results["file_to_file"]
     # The export reloads through Quark's importer and still computes the source model's function: its
     # logits point the way the bf16 source's do (a random tiny model loses more to MXFP4 than a trained

@@ -170,12 +170,16 @@ def test_the_gpu_check_recipes_are_the_cpu_ones_made_for_a_gpu(tmp_path):
     done = subprocess.run(["bash", str(RECIPES.parent / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    for name, cpu in (("qwen3.5-tiny-gpu", "qwen3.5-tiny-cpu"), ("reference-gpu", "reference-cpu")):
+    for name, cpu in (("qwen3.5-tiny-gpu", "qwen3.5-tiny-cpu"), ("qwen3.5-moe-tiny-gpu", "qwen3.5-tiny-cpu"),
+                      ("reference-gpu", "reference-cpu")):
         recipe, original = load_recipe(tmp_path / f"{name}.toml"), load_recipe(RECIPES / f"{cpu}.toml")
         assert recipe.serving.env == {} and recipe.serving.dtype == "bfloat16"
         assert recipe.serving.gpu_memory_utilization == 0.3
         assert recipe.validation.workloads == ["gsm8k"] and recipe.validation.num_prompts == 3
-        assert recipe.target.path == original.target.path and recipe.drafter.path == original.drafter.path
+        moe = name.startswith("qwen3.5-moe")
+        assert recipe.target.path.name == original.target.path.name.replace("qwen3.5-", "qwen3.5-moe-" if moe else "qwen3.5-")
+        assert recipe.drafter.path.parent == original.drafter.path.parent
+        assert recipe.quantization.mode == ("file_to_file" if moe else original.quantization.mode)
         assert recipe.validation.methods == original.validation.methods
 
 

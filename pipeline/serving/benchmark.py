@@ -127,9 +127,9 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
                     if server.method == "dflash":
                         per_prompt_stats[workload] = per_prompt
                 else:
-                    before = scrape_metrics(running.base_url) if server.budget else {}
+                    before = _metrics(running) if server.budget else {}
                     completions, wall = _requests(running, batch, v.max_tokens, concurrency, recipe)
-                    stats = AcceptanceStats.from_vllm_metrics(before, scrape_metrics(running.base_url), server.budget - 1) \
+                    stats = AcceptanceStats.from_vllm_metrics(before, _metrics(running), server.budget - 1) \
                         if server.budget else None
                 rows.append(_row(server, workload, concurrency, completions, wall, stats))
                 if concurrency == min(v.concurrency):
@@ -217,20 +217,30 @@ def _one_at_a_time(server: VllmServer, cell: ServerCell, batch: list[tuple[str, 
                    recipe: Recipe) -> tuple[list[Completion], list[AcceptanceStats]]:
     completions, per_prompt = [], []
     for item in batch:
-        before = scrape_metrics(server.base_url) if cell.budget else {}
+        before = _metrics(server) if cell.budget else {}
         done, _ = _requests(server, [item], max_tokens, 1, recipe)
         completions += done
         if cell.budget:
-            per_prompt.append(AcceptanceStats.from_vllm_metrics(before, scrape_metrics(server.base_url), cell.budget - 1))
+            per_prompt.append(AcceptanceStats.from_vllm_metrics(before, _metrics(server), cell.budget - 1))
     return completions, per_prompt
 
 
 def _requests(server: VllmServer, prompts: list[tuple[str, str]], max_tokens: int, concurrency: int,
               recipe: Recipe) -> tuple[list[Completion], float]:
     """The batch, failing with one line if the server process died meanwhile."""
+    return _unless_died(server, lambda: run_requests(server.base_url, "target", prompts, max_tokens, concurrency,
+                                                     timeout=recipe.serving.request_timeout_s))
+
+
+def _metrics(server: VllmServer):
+    """The server's Prometheus counters, failing with one line if the server process died meanwhile."""
+    return _unless_died(server, lambda: scrape_metrics(server.base_url))
+
+
+def _unless_died(server: VllmServer, call):
+    """`call()`; a ServerError from a server whose process has exited says so, with its exit code and log."""
     try:
-        return run_requests(server.base_url, "target", prompts, max_tokens, concurrency,
-                            timeout=recipe.serving.request_timeout_s)
+        return call()
     except ServerError as exc:
         if server.process is not None:
             try:  # a dropped connection often comes a moment before the process is reaped

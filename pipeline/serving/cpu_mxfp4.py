@@ -143,6 +143,7 @@ def dequantize_experts(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.
     return flat.reshape(experts, rows, -1)
 
 
+@torch.library.custom_op("mxspec::cpu_mxfp4_experts", mutates_args=())
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, quantize_activations: bool) -> torch.Tensor:
     """Routed SwiGLU experts, one selected expert at a time: ``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))``.
@@ -150,7 +151,11 @@ def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     ``w13[e]`` is expert e's gate rows then its up rows (vLLM's fused layout), ``w2[e]`` its down
     projection. With ``quantize_activations`` (W+A), each expert Linear's input is fake-quantized to MXFP4
     as Quark's importer does for every per-expert Linear: the token's hidden state before gate and up
-    (one quantization serves both: the blocks are per row) and the gated product before down."""
+    (one quantization serves both: the blocks are per row) and the gated product before down. The sum
+    is in ``x``'s dtype, as Quark's ``QuarkExperts`` (and transformers' experts loop) sums it.
+
+    A custom op: which experts a batch selects decides the loop, so torch.compile (vLLM's default on
+    CPU, a full graph) sees it as one opaque call."""
     inputs = quant_dequant_activations(x) if quantize_activations else x
     out = torch.zeros_like(x)
     for expert in topk_ids.unique().tolist():
@@ -162,6 +167,11 @@ def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         routed = F.linear(hidden, w2[expert]) * topk_weights[tokens, slot, None].to(x.dtype)
         out.index_add_(0, tokens, routed)
     return out
+
+
+@run_experts.register_fake
+def _run_experts_shape(x, w13, w2, topk_weights, topk_ids, quantize_activations):
+    return torch.empty_like(x)
 
 
 class CpuMxfp4MoEMethod(QuarkOCP_MX_MoEMethod):
@@ -179,6 +189,8 @@ class CpuMxfp4MoEMethod(QuarkOCP_MX_MoEMethod):
             raise NotImplementedError("mxspec's CPU experts run MXFP4 weights with bf16 or dynamic MXFP4 activations only")
         if moe.activation != MoEActivation.SILU or moe.has_bias:
             raise NotImplementedError("mxspec's CPU experts run SwiGLU experts without bias only (Qwen3.5's)")
+        if moe.moe_parallel_config.use_ep:
+            raise NotImplementedError("mxspec's CPU experts run without expert parallelism")
         self.weight_dtype = "mxfp4"
         self.input_dtype = None if activation_quant_key is None else "mxfp4"
         self.ocp_mx_scheme = OCP_MX_Scheme.from_quant_dtype(self.input_dtype, self.weight_dtype)
@@ -187,7 +199,12 @@ class CpuMxfp4MoEMethod(QuarkOCP_MX_MoEMethod):
         self.experts_cls = None
         logger.info_once("Using CpuMxfp4MoEMethod for MXFP4 experts (%s)", self.ocp_mx_scheme)
 
+    @property
+    def supports_eplb(self) -> bool:
+        return False  # every expert stays where it was loaded
+
     def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+        # Quark's method would pad the sizes for its backend (to 64 with none chosen); PyTorch needs no padding.
         return FusedMoEMethodBase.maybe_roundup_sizes(
             self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config)
 
@@ -203,8 +220,8 @@ class CpuMxfp4MoEMethod(QuarkOCP_MX_MoEMethod):
         return None  # no modular kernel to configure
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
-        if layer.expert_map is not None or layer.apply_router_weight_on_input:
-            raise NotImplementedError("mxspec's CPU experts run without expert parallelism or input-side router weights")
+        if layer.apply_router_weight_on_input:
+            raise NotImplementedError("mxspec's CPU experts apply router weights to their outputs only")
         return run_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                            quantize_activations=self.input_dtype is not None)
 
