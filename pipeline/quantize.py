@@ -175,8 +175,8 @@ def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patt
 
 
 def _carry_over(source: Checkpoint, out: Path) -> int:
-    """Copy side files and the tensors the export lacks (the MTP head; dequantized if FP8) into `out`,
-    streamed one tensor at a time (the 397B head alone is 13 GB in bf16)."""
+    """Copy side files and the tensors the export lacks (the MTP head of an in-memory export; dequantized
+    if FP8) into `out`, one tensor at a time rather than a second copy of the head beside the model."""
     from pipeline.file_to_file import CheckpointReader, StreamingSafetensorsWriter
 
     copy_side_files(source.folder, out, overwrite=False)
@@ -396,7 +396,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
 
 class QuantizeStage:
     name = "quantize"
-    version = 5  # 5: file-to-file configs list kept layers by exact name (vLLM reads no globs); 4: FP8 sources
+    version = 5  # 5: exclude lists every kept layer by exact name (vLLM reads no globs); 4: FP8 sources
     sections = ("quantization", "calibration")
     requires = ("resolve/target.json",)  # the target only: a drafter change never re-quantizes
     tools = ("amd-quark", "torch", "transformers", "safetensors")

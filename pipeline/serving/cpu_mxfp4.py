@@ -24,10 +24,10 @@ config class) with a subclass that accepts float32 as well.
 MoE routed experts have no kernel registry: Quark's ``QuarkOCP_MX_MoEMethod`` picks a fused-MoE backend in
 its constructor, and on a CPU without AMX none exists ("No MXFP4 MoE backend supports the deployment
 configuration"); with AMX, vLLM's CPU kernel is weight-only and would run a W+A checkpoint's experts with
-unquantized activations (vLLM's "Falling back ... with BF16 activations"). The config subclass therefore answers MXFP4 expert layers with ``CpuMxfp4MoEMethod``:
-Quark's parameters and weight loading, the experts decoded once after loading, and ``run_experts`` (a
-loop over the experts a batch selected, activations fake-quantized before each expert Linear for W+A,
-as Quark's importer does for its per-expert Linears).
+unquantized activations (vLLM's "Falling back ... with BF16 activations"). The config subclass therefore
+answers MXFP4 expert layers with ``CpuMxfp4MoEMethod``: Quark's parameters and weight loading, the experts
+decoded once after loading, and ``run_experts`` (a loop over the experts a batch selected, activations
+fake-quantized before each expert Linear for W+A, as Quark's importer does for its per-expert Linears).
 
 The plugin does nothing on other platforms: ROCm and CUDA vLLM have native and emulation kernels.
 """
