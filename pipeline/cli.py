@@ -206,7 +206,7 @@ def _memory_rows(recipe: Recipe) -> dict[str, str]:
         "drafter config not known here (not counted)"
     return {
         "sizes": f"target {plan.source_format} {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; {drafter}",
-        "auto mode here": "file_to_file (quantize_mtp: in memory there is no MTP head to quantize)"
+        "auto mode here": f"{plan.quantize_mode_here} (quantize_mtp: in memory there is no MTP head to quantize)"
                           if plan.quantizes_mtp_head else
                           f"{plan.quantize_mode_here} ({_size(plan.available_bytes)} free; in memory needs "
                           f"{IN_MEMORY_FACTOR} x the model as held: "

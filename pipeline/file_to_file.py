@@ -184,6 +184,15 @@ class StreamingSafetensorsWriter:
         if self.position != len(self.expected):
             raise RuntimeError(f"{self.path}: wrote {self.position} of {len(self.expected)} tensors")
 
+    def __enter__(self) -> StreamingSafetensorsWriter:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is None:
+            self.close()
+        else:
+            self.handle.close()  # the error is the one to report, not the short file
+
 
 def _plan_shard(header: dict[str, tuple[tuple[int, ...], str]], order: list[str], quantized: set[str]):
     """(output entries, work items) for one shard. A work item is (source name, expert, kind, out name)."""
@@ -230,27 +239,26 @@ def quantize_shard(source: Path, out: Path, shard: str, weight_config, quantized
         if not entries:
             return weight_map  # a shard of FP8 scales alone: its scales are read, nothing is written
         dtypes = {name: TORCH_DTYPES[dtype] for name, dtype, _ in entries}
-        writer = StreamingSafetensorsWriter(out / shard, [(export_name(name, config), dtype, shape)
-                                                          for name, dtype, shape in entries])
-        cached_key, cached = None, None  # one expert of a fused tensor feeds its gate and up work items
-        for source_name, expert, kind, out_name in work:
-            if (source_name, expert) != cached_key:
-                cached_key, cached = (source_name, expert), reader.get(source_name, expert)
-            tensor = cached
-            if expert is not None:
-                tensor = expert_rows(tensor, kind).contiguous()
-            name = export_name(out_name, config)
-            if out_name.removesuffix(".weight") in quantized_modules:
-                produced: dict[str, torch.Tensor] = {}
-                _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
-                                              weight_config, produced, shard)
-                writer.write(name, produced[out_name])
-                writer.write(name + "_scale", produced[out_name + "_scale"])
-                weight_map[name + "_scale"] = shard
-            else:
-                writer.write(name, tensor.to(dtypes[out_name]))
-            weight_map[name] = shard
-        writer.close()
+        with StreamingSafetensorsWriter(out / shard, [(export_name(name, config), dtype, shape)
+                                                       for name, dtype, shape in entries]) as writer:
+            cached_key, cached = None, None  # one expert of a fused tensor feeds its gate and up work items
+            for source_name, expert, kind, out_name in work:
+                if (source_name, expert) != cached_key:
+                    cached_key, cached = (source_name, expert), reader.get(source_name, expert)
+                tensor = cached
+                if expert is not None:
+                    tensor = expert_rows(tensor, kind).contiguous()
+                name = export_name(out_name, config)
+                if out_name.removesuffix(".weight") in quantized_modules:
+                    produced: dict[str, torch.Tensor] = {}
+                    _single_stage_quantize_weight(tensor, out_name, out_name.removesuffix(".weight"),
+                                                  weight_config, produced, shard)
+                    writer.write(name, produced[out_name])
+                    writer.write(name + "_scale", produced[out_name + "_scale"])
+                    weight_map[name + "_scale"] = shard
+                else:
+                    writer.write(name, tensor.to(dtypes[out_name]))
+                weight_map[name] = shard
     return weight_map
 
 

@@ -187,14 +187,10 @@ def _carry_over(source: Checkpoint, out: Path) -> int:
         missing = sorted(n for n in listing if CARRIED_OVER.match(n) and n not in exported.tensors)
         if not missing:
             return 0
-        writer = StreamingSafetensorsWriter(out / extra, [(name, listing[name][1], listing[name][0]) for name in missing])
-        try:
+        with StreamingSafetensorsWriter(out / extra, [(name, listing[name][1], listing[name][0]) for name in missing]) \
+                as writer:
             for name in missing:
                 writer.write(name, reader.written(name))
-        except BaseException:
-            writer.handle.close()  # the error is the one to report, not the short file
-            raise
-        writer.close()
     weight_map = {name: file for name, (_, _, file) in exported.tensors.items()}
     weight_map.update(dict.fromkeys(missing, extra))
     write_index(out, weight_map)
