@@ -18,7 +18,7 @@ CUDA_SIDE_PACKAGES := torchaudio torchcodec triton
 
 .PHONY: install demo test test-fast clean
 
-install: $(STAMP) $(TARGET)/config.json $(TINY)/qwen3.5-tiny/config.json $(TINY)/qwen3.5-moe-tiny-fp8/config.json
+install: $(STAMP) $(TARGET)/config.json $(TINY)/qwen3.5-moe-tiny/training.json $(TINY)/qwen3.5-moe-tiny-fp8/config.json
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 $(TARGET)/config.json: $(STAMP) scripts/build_reference_target.py
 	$(BIN)/python scripts/build_reference_target.py $(TARGET)
 
-$(TINY)/qwen3.5-tiny/config.json: $(STAMP) scripts/build_tiny_qwen35.py pipeline/dflash.py
+# Random tiny Qwen3.5 targets and drafters, then trained briefly (target, MTP head, DFlash drafter; a few
+# minutes). The MoE target's training.json is written last.
+$(TINY)/qwen3.5-moe-tiny/training.json: $(STAMP) scripts/build_tiny_qwen35.py scripts/train_tiny_qwen35.py pipeline/dflash.py pipeline/mtp.py
 	$(BIN)/python scripts/build_tiny_qwen35.py $(TINY)
+	$(BIN)/python scripts/train_tiny_qwen35.py $(TINY)
 
-$(TINY)/qwen3.5-moe-tiny-fp8/config.json: $(TINY)/qwen3.5-tiny/config.json scripts/build_tiny_fp8.py pipeline/fp8.py
+$(TINY)/qwen3.5-moe-tiny-fp8/config.json: $(TINY)/qwen3.5-moe-tiny/training.json scripts/build_tiny_fp8.py pipeline/fp8.py
 	$(BIN)/python scripts/build_tiny_fp8.py $(TINY)/qwen3.5-moe-tiny $(TINY)/qwen3.5-moe-tiny-fp8
 
 demo: install

@@ -8,6 +8,7 @@ steps a real run would take (anchor -> accepted prefix + bonus -> next anchor).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,11 +87,34 @@ def replay_acceptance(
     end: int | None = None,
     predictions: torch.Tensor | None = None,
 ) -> Replay:
-    """Acceptance per step of a greedy speculative run whose output is `tokens[prompt_len:end]`.
+    """DFlash's acceptance per step of a greedy speculative run whose output is `tokens[prompt_len:end]`
+    (`accept_along`): the drafter's block at every anchor the run can visit, drafted in chunks."""
+    stop = tokens.shape[0] if end is None else end
+    candidates = torch.arange(prompt_len, max(prompt_len, stop - 1))
+    drafts = torch.empty(len(candidates), block_size - 1, dtype=torch.long)
+    with torch.no_grad():
+        for start in range(0, len(candidates), chunk):
+            part = candidates[start : start + chunk]
+            drafts[start : start + len(part)] = draft_at_anchors(
+                drafter, hooks, tokens, features, part, block_size
+            ).argmax(-1)
+    return accept_along(lambda anchor: drafts[anchor - prompt_len], tokens, prompt_len, block_size, end, predictions)
 
-    The first continuation token comes from the prefill; every later step anchors a block at the
-    last committed token, accepts the longest prefix of drafts that match the continuation, and
-    commits one bonus token from the target.
+
+def accept_along(
+    drafts_at: Callable[[int], torch.Tensor],
+    tokens: torch.Tensor,
+    prompt_len: int,
+    block_size: int,
+    end: int | None = None,
+    predictions: torch.Tensor | None = None,
+) -> Replay:
+    """Acceptance per step of a greedy speculative run whose output is `tokens[prompt_len:end]`, for any
+    drafter: `drafts_at(anchor)` are its B-1 drafts after the committed token at `anchor`.
+
+    The first continuation token comes from the prefill; every later step anchors at the last committed
+    token, accepts the longest prefix of drafts that match the continuation, and commits one bonus token
+    from the target.
 
     The final step counts only the tokens the run kept (it ends at a stop token or the budget), the
     rule `generate_online` applies. vLLM's counters do not trim: its scheduler counts a step's
@@ -104,21 +128,10 @@ def replay_acceptance(
     trimmed = end is None
     end = tokens.shape[0] if end is None else end
     assert trimmed or tokens.shape[0] - end >= block_size - 1, "untrimmed count needs B-1 tokens past `end`"
-    if end <= prompt_len:
-        return Replay([], block_size)
-    # Anchors a run can visit: the first generated token onwards, up to the second-to-last token.
-    candidates = torch.arange(prompt_len, end - 1)
-    drafts = torch.empty(len(candidates), block_size - 1, dtype=torch.long)
-    with torch.no_grad():
-        for start in range(0, len(candidates), chunk):
-            part = candidates[start : start + chunk]
-            drafts[start : start + len(part)] = draft_at_anchors(
-                drafter, hooks, tokens, features, part, block_size
-            ).argmax(-1)
     lengths = []
     anchor = prompt_len
-    while anchor < end - 1:
-        proposed = drafts[anchor - prompt_len]
+    while anchor < end - 1:  # anchors: the first generated token onwards, up to the second-to-last token
+        proposed = drafts_at(anchor)
         truth = tokens[anchor + 1 : anchor + block_size]
         if predictions is None:
             accepted = int((proposed[: len(truth)] == truth).int().cumprod(0).sum())
@@ -155,11 +168,13 @@ def replay_sequence(target, drafter: DFlashDrafter, tokens, prompt_len: int, blo
 
 @dataclass(frozen=True)
 class TargetPass:
-    """What one target pass over a text gives: the drafter's acceptance at each block size, and the
-    target's next-token log-probabilities at the continuation's positions (prompt_len - 1 .. end - 2)."""
+    """What one target pass over a text gives: the drafter's acceptance at each block size, the target's
+    next-token log-probabilities at the continuation's positions (prompt_len - 1 .. end - 2), and its final
+    hidden states (what an MTP head drafts from)."""
 
     replays: dict[int, Replay]
     logprobs: torch.Tensor  # [positions, vocab], float32
+    final_hidden: torch.Tensor  # [T, H] float32: the target's last hidden states (after its final norm)
 
 
 @torch.no_grad()
@@ -179,7 +194,8 @@ def replay_pass(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_s
     replays = {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b, end=end, predictions=predictions)
                for b in block_sizes}
     stop = sequence.shape[0] if end is None else end
-    return TargetPass(replays, torch.log_softmax(logits[prompt_len - 1 : stop - 1], dim=-1))
+    return TargetPass(replays, torch.log_softmax(logits[prompt_len - 1 : stop - 1], dim=-1),
+                      out.hidden_states[-1][0].float())
 
 
 @torch.no_grad()

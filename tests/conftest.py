@@ -62,8 +62,8 @@ def reference_target() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny() -> Path:
-    """Tiny random Qwen3.5 dense (with vision) and MoE checkpoints + drafters, built by `make`."""
-    assert (TINY / "qwen3.5-tiny" / "config.json").is_file(), "tiny models missing: run `make install`"
+    """Tiny Qwen3.5 dense (with vision) and MoE checkpoints + drafters, built and briefly trained by `make`."""
+    assert (TINY / "qwen3.5-moe-tiny" / "training.json").is_file(), "tiny models missing: run `make install`"
     return TINY
 
 

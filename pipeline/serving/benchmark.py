@@ -98,7 +98,7 @@ class ServedCell(BaseModel):
     label: str
     rows: list[ServedRow]
     tokens: dict[str, list[list[int]]]  # workload -> greedy token ids per prompt, at the lowest concurrency
-    per_prompt: dict[str, list[AcceptanceStats]] = {}  # workload -> DFlash counts per prompt at concurrency 1
+    per_prompt: dict[str, list[AcceptanceStats]] = {}  # workload -> MTP or DFlash counts per prompt at concurrency 1
 
 
 SERVING_CELL_VERSION = 1  # bump when a serving cell measures differently for the same inputs
@@ -124,7 +124,7 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
                     completions, per_prompt = _one_at_a_time(running, server, batch, v.max_tokens, recipe)
                     wall = sum(c.latency_s for c in completions)
                     stats = AcceptanceStats.pooled(per_prompt) if server.budget else None
-                    if server.method == "dflash":
+                    if server.budget:
                         per_prompt_stats[workload] = per_prompt
                 else:
                     before = _metrics(running) if server.budget else {}
@@ -183,8 +183,9 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
     for server, cell in zip(servers, served, strict=True):
         result.rows += cell.rows
         result.tokens |= {(cell.label, workload): ids for workload, ids in cell.tokens.items()}
-        result.per_prompt |= {(workload, server.precision, server.budget): stats
-                              for workload, stats in cell.per_prompt.items()}
+        if server.method == "dflash":  # the acceptance tables are DFlash's; an MTP cell's counts stay in its cell
+            result.per_prompt |= {(workload, server.precision, server.budget): stats
+                                  for workload, stats in cell.per_prompt.items()}
     result.rows = _with_speedups(result.rows, result.tokens)
     result.rows = speed_accounting(result.rows, {p: weight_bytes(models[p]) for p in v.precisions},
                                    recipe.serving.peak_bandwidth_tb_s)
