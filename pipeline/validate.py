@@ -214,15 +214,18 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
             loaded["tokenizer"] = AutoTokenizer.from_pretrained(paths["bf16"])
         return loaded["drafter"], loaded["tokenizer"]
 
+    # The MTP head's replay is what served MTP rows are compared with: measured when vLLM serves MTP.
+    replays_mtp = "mtp" in v.methods and "vllm" in v.backends
+
     def mtp_head(precision: str):
-        if "mtp" not in v.methods:
+        if not replays_mtp:
             return None
         if precision not in loaded:
             loaded[precision] = load_mtp_head(paths[precision])
         return loaded[precision]
 
     common = {"version": REFERENCE_CELL_VERSION, "drafter": digests["drafter"], "budgets": list(v.budgets),
-              "mtp": "mtp" in v.methods,
+              "mtp": replays_mtp,
               "num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed, "source": v.prompt_source,
               "tools": {name: package_version(name) for name in ("torch", "transformers", "amd-quark")}}
     cells, prints = [], {}

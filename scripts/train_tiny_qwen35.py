@@ -18,7 +18,7 @@ script makes them models with something to predict, in three small steps, all on
    MoE MTP anyway).
 
 Each trained folder replaces the random one atomically, with a `training.json` and a SOURCE.md that says
-how it was made. About five minutes on two cores.
+how it was made. About five minutes on two cores; three builds on this machine gave the same bytes.
 
 Usage: python scripts/train_tiny_qwen35.py MODELS_DIR   (the folder build_tiny_qwen35.py wrote)
 """
@@ -111,36 +111,43 @@ def target_sequences(tokenizer, count: int, rng: random.Random) -> list[list[int
 
 
 def train_target(model, sequences: list[list[int]], pad_id: int, rng: random.Random) -> list[float]:
-    """AdamW with warm-up and cosine decay over the language model's weights; returns the losses."""
-    params = [p for name, p in model.named_parameters() if "visual" not in name]
-    optimizer = torch.optim.AdamW(params, lr=TARGET_LR, weight_decay=0.01, betas=(0.9, 0.95))
-    schedule = cosine(optimizer, TARGET_STEPS)
-    losses = []
-    model.train()
-    for step in range(TARGET_STEPS):
+    """Next-token cross-entropy over the language model's weights (the vision tower stays); the losses."""
+
+    def batch_loss() -> torch.Tensor:
         batch = rng.sample(sequences, TARGET_BATCH)
         width = max(len(s) for s in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         labels = torch.full_like(ids, -100)
         for row, seq in enumerate(batch):  # right padding: causal positions never see it
             ids[row, : len(seq)] = labels[row, : len(seq)] = torch.tensor(seq)
-        loss = model(input_ids=ids, labels=labels).loss
+        return model(input_ids=ids, labels=labels).loss
+
+    params = [p for name, p in model.named_parameters() if "visual" not in name]
+    model.train()
+    losses = optimize(params, TARGET_STEPS, TARGET_LR, batch_loss, "target", every=40)
+    model.eval()
+    return losses
+
+
+def optimize(params: list, steps: int, lr: float, batch_loss, label: str, every: int) -> list[float]:
+    """AdamW with warm-up and cosine decay, gradients clipped at norm 1; `batch_loss()` is one step's
+    loss. Prints the running loss every `every` steps; returns each step's loss."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    losses = []
+    for step in range(steps):
         optimizer.zero_grad()
+        loss = batch_loss()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if step % 40 == 0 or step + 1 == TARGET_STEPS:
-            print(f"  target step {step + 1}/{TARGET_STEPS}: loss {sum(losses[-20:]) / len(losses[-20:]):.3f}", flush=True)
-    model.eval()
+        if step % every == 0 or step + 1 == steps:
+            print(f"  {label} step {step + 1}/{steps}: loss {sum(losses[-20:]) / len(losses[-20:]):.3f}", flush=True)
     return losses
-
-
-def cosine(optimizer, steps: int):
-    warmup = max(1, steps // 20)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
 
 
 # --- 2. the drafters' data ---------------------------------------------------------------------
@@ -215,21 +222,10 @@ def mtp_accuracy(head: MtpHead, hooks: TargetHooks, records: list[dict]) -> list
 
 def train_mtp(head: MtpHead, hooks: TargetHooks, records: list[dict], validation: list[dict],
               rng: random.Random) -> dict:
-    optimizer = torch.optim.AdamW(head.parameters(), lr=MTP_LR, weight_decay=0.01, betas=(0.9, 0.95))
-    schedule = cosine(optimizer, MTP_TRAIN_STEPS)
     before = mtp_accuracy(head, hooks, validation)
-    losses = []
     head.train()
-    for step in range(MTP_TRAIN_STEPS):
-        optimizer.zero_grad()
-        loss = sum(mtp_loss(head, hooks, r) for r in rng.sample(records, 4)) / 4
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step + 1 == MTP_TRAIN_STEPS:
-            print(f"  MTP step {step + 1}/{MTP_TRAIN_STEPS}: loss {sum(losses[-20:]) / len(losses[-20:]):.3f}", flush=True)
+    losses = optimize(list(head.parameters()), MTP_TRAIN_STEPS, MTP_LR,
+                      lambda: sum(mtp_loss(head, hooks, r) for r in rng.sample(records, 4)) / 4, "MTP", every=50)
     head.eval()
     after = mtp_accuracy(head, hooks, validation)
     print(f"  MTP chained draft accuracy on validation responses: {before} -> {after}", flush=True)

