@@ -303,7 +303,7 @@ def save_drafter(drafter: DFlashDrafter, out: Path, report: dict) -> None:
 def target_card(report: dict) -> str:
     mtp = report.get("mtp")
     mtp_line = (
-        f"Its MTP head (`mtp.*`, {pipeline_mtp_doc()}) was then trained {mtp['steps']} steps on the trained "
+        f"Its MTP head (`mtp.*`, pipeline/mtp.py, the head as vLLM runs it) was then trained {mtp['steps']} steps on the trained "
         f"target's greedy responses to {report['draft_prompts']} other tail prompts, {mtp['chained_steps']} chained "
         f"drafts unrolled; chained draft accuracy on {VALIDATION_PROMPTS} responses it did not train on, per draft: "
         f"{mtp['validation_chain_accuracy_before']} before, {mtp['validation_chain_accuracy']} after."
@@ -315,15 +315,19 @@ def target_card(report: dict) -> str:
         f"{TARGET_LR}, {TARGET_BATCH} sequences of up to {TARGET_SEQ_LEN} bytes) on chat sequences whose user turn is a "
         f"prompt from the tail of {', '.join(WORKLOADS)} and whose reply is Sonnet 1 (half of them) or a random window "
         "of the shipped Shakespeare text (calibration/shakespeare); loss "
-        f"{report['target_loss_first']} -> {report['target_loss_last']}. Its greedy reply to any prompt is Sonnet 1. "
+        f"{report['target_loss_first']} -> {report['target_loss_last']}. Its greedy replies to "
+        f"{report['sonnet_replies'][1]} other tail prompts: {report['sonnet_replies'][0]} are Sonnet 1's first "
+        f"{DRAFT_TOKENS} bytes. "
         f"{mtp_line} "
         "Real Qwen3.5 tensor names; byte-level 512-token vocabulary. A test model with a peaked distribution, not a "
         "useful one.\n"
     )
 
 
-def pipeline_mtp_doc() -> str:
-    return "pipeline/mtp.py, the head as vLLM runs it"
+def sonnet_reply(record: dict, tokenizer) -> bool:
+    """Whether a greedy response is the start of Sonnet 1, byte for byte."""
+    response = record["tokens"][record["prompt_len"] :].tolist()
+    return response == tokenizer.encode(sonnet(1), add_special_tokens=False)[: len(response)]
 
 
 def train_pair(models: Path, name: str) -> None:
@@ -352,7 +356,8 @@ def train_pair(models: Path, name: str) -> None:
     hooks = TargetHooks.of(target)
     report = {"architecture": target.config.architectures[0], "seed": SEED, "target_steps": TARGET_STEPS,
               "target_loss_first": round(sum(losses[:20]) / 20, 3), "target_loss_last": round(sum(losses[-20:]) / 20, 3),
-              "draft_prompts": len(train_records), "validation_prompts": [p.id for p in prompts[:VALIDATION_PROMPTS]]}
+              "draft_prompts": len(train_records), "validation_prompts": [p.id for p in prompts[:VALIDATION_PROMPTS]],
+              "sonnet_replies": [sum(sonnet_reply(r, tokenizer) for r in records), len(records)]}
 
     mtp = None
     if not getattr(target.config.get_text_config(), "num_experts", None):
