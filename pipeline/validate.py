@@ -257,6 +257,7 @@ def _measure_reference_cell(target, drafter, head: MtpHead | None, tokenizer, pr
     mtp_own_text: dict[int, list] = {b: [] for b in v.budgets} if head is not None else {}
     same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts else {}
     answers, fidelity, kept, prompt_lens = [], [], {}, []
+    hooks = TargetHooks.of(target)
     with work.timed(f"{precision} own text"):
         runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
     for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, runs)):
@@ -266,7 +267,6 @@ def _measure_reference_cell(target, drafter, head: MtpHead | None, tokenizer, pr
             own_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
         if head is not None:
             with work.timed(f"{precision} MTP"):
-                hooks = TargetHooks.of(target)
                 for budget in v.budgets:
                     replay = replay_mtp(head, hooks, tokens, own.final_hidden, prompt_len, budget)
                     mtp_own_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))

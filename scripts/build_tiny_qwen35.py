@@ -200,7 +200,7 @@ def save_tokenizer(out: Path) -> None:
 
 
 # --- targets ----------------------------------------------------------------------------------
-def _real_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def real_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Text-only state dicts (`model.*`) -> the checkpoint's `model.language_model.*` names."""
     out = {}
     for key, value in state.items():
@@ -226,7 +226,7 @@ def save_target(model, config: dict, out: Path, seed: int, dtype: torch.dtype = 
     from safetensors.torch import save_file
 
     state = {k: v.detach().to(dtype).contiguous().clone() for k, v in model.state_dict().items()}
-    state = _real_layout(state)
+    state = real_layout(state)
     state.update(mtp_tensors(config, seed + 1, dtype))
     save_file(dict(sorted(state.items())), out / "model.safetensors", metadata={"format": "pt"})
     model.config.dtype = dtype

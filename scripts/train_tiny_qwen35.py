@@ -26,7 +26,6 @@ Usage: python scripts/train_tiny_qwen35.py MODELS_DIR   (the folder build_tiny_q
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -42,6 +41,11 @@ if str(ROOT) not in sys.path:  # runnable without installing the package
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+# Sibling scripts (this script's folder is first on sys.path when it runs): the checkpoint layout the tiny
+# builder writes, and the DFlash drafter's training objective and loop.
+import train_dflash_drafter as dflash_training  # noqa: E402
+from build_tiny_qwen35 import real_layout  # noqa: E402
 
 from pipeline.atomic import atomic_directory  # noqa: E402
 from pipeline.calibration import SHIPPED  # noqa: E402
@@ -64,15 +68,6 @@ DRAFT_PROMPTS, DRAFT_TOKENS = 96, 64  # greedy responses the drafters learn from
 MTP_STEPS, MTP_WEIGHTS, MTP_TRAIN_STEPS, MTP_LR = 3, (1.0, 0.6, 0.4), 150, 3e-3
 DFLASH_STEPS, DFLASH_LR = 200, 3e-3
 VALIDATION_PROMPTS = 8  # of the drafters' prompts, kept out of their training to report accuracy on
-
-
-def load_training_module():
-    """scripts/train_dflash_drafter.py, whose objective and loop train the DFlash drafter here too."""
-    spec = importlib.util.spec_from_file_location("train_dflash_drafter", ROOT / "scripts" / "train_dflash_drafter.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def tail_prompts(skip: int, count: int) -> list:
@@ -236,14 +231,13 @@ def train_mtp(head: MtpHead, hooks: TargetHooks, records: list[dict], validation
 
 # --- the DFlash drafter ------------------------------------------------------------------------
 def train_dflash(drafter: DFlashDrafter, hooks: TargetHooks, records: list[dict], validation: list[dict]) -> dict:
-    training = load_training_module()
     tie_context_key_norms(drafter)
-    vocabulary = training.TrainingVocabulary(records, hooks)
-    before = training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
-    history, checkpoints = training.train(
+    vocabulary = dflash_training.TrainingVocabulary(records, hooks)
+    before = dflash_training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
+    history, checkpoints = dflash_training.train(
         drafter, vocabulary, records, DFLASH_STEPS, DFLASH_LR, seqs_per_step=4, rows_per_seq=64, seed=SEED,
         hooks=hooks, validation=validation, validate_every=100, soft_weight=0.5)
-    after = training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
+    after = dflash_training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
     print(f"  DFlash acceptance length (replay, block 8) on validation responses: {before:.3f} -> {after:.3f}", flush=True)
     return {"steps": DFLASH_STEPS, "lr": DFLASH_LR, "checkpoints": checkpoints,
             "validation_acceptance_length_b8_before": round(before, 4),
@@ -257,18 +251,15 @@ def save_target(model, folder: Path, out: Path, mtp: dict[str, torch.Tensor] | N
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    trained = {k: v.detach() for k, v in model.state_dict().items()}
-    names = {k: k for k in trained}
-    names |= {k.replace("model.", "model.language_model.", 1): k for k in trained
-              if k.startswith("model.") and not k.startswith(("model.language_model.", "model.visual."))}
+    trained = real_layout({k: v.detach() for k, v in model.state_dict().items()})
     tensors = {}
     with safe_open(folder / "model.safetensors", "pt") as handle:
         for name in handle.keys():
             stored = handle.get_tensor(name)
             if mtp is not None and name in mtp:
                 value = mtp[name]
-            elif name in names:
-                value = trained[names[name]]
+            elif name in trained:
+                value = trained[name]
             else:
                 value = stored  # the random `mtp.*` of a target whose head is not trained
             assert value.shape == stored.shape, name

