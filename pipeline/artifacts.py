@@ -25,7 +25,7 @@ from pipeline.recipe import Gate, PromptSource
 MANIFEST_SCHEMA = 1
 QUANTIZE_SCHEMA = "mxspec.quantize/1"
 PAIR_SCHEMA = "mxspec.pair/1"
-VALIDATE_SCHEMA = "mxspec.validate/3"
+VALIDATE_SCHEMA = "mxspec.validate/4"
 GATE_SCHEMA = "mxspec.gate/1"
 PUBLISHED_LIST_SCHEMA = "mxspec.published-files/1"
 Verdict = Literal["pass", "fail", "inconclusive"]
@@ -115,10 +115,16 @@ class DriftRow(_Artifact):
     num_prompts: Annotated[int, Field(ge=1)]
 
 
+MEASURED_BY = {"vllm": "the served kernels", "reference": "the reference path"}  # FidelityRow.measured_by, in words
+
+
 class FidelityRow(_Artifact):
-    """The MXFP4 target against bf16 on one workload's bf16 continuations, teacher forced (`fidelity`)."""
+    """The MXFP4 target against bf16 on one workload's bf16 continuations, teacher forced (`fidelity`):
+    by the served kernels (vLLM's prompt_logprobs from both AR servers) or by the reference path
+    (PyTorch, the MXFP4 checkpoint through Quark's importer)."""
 
     workload: str
+    measured_by: Literal["reference", "vllm"]
     num_prompts: Annotated[int, Field(ge=1)]
     num_positions: Annotated[int, Field(ge=0)]
     top1_agreement: Rate  # share of positions where MXFP4's greedy token is bf16's
@@ -171,7 +177,7 @@ class ServedRow(_Artifact):
 class ValidateReport(_Artifact):
     """validate/report.json."""
 
-    schema_: Literal["mxspec.validate/3"] = Field(VALIDATE_SCHEMA, alias="schema")
+    schema_: Literal["mxspec.validate/4"] = Field(VALIDATE_SCHEMA, alias="schema")
     recipe: str
     backend: Literal["reference", "vllm"]
     target: str
@@ -181,17 +187,20 @@ class ValidateReport(_Artifact):
     cells: list[AcceptanceCell]
     drift: list[DriftRow]
     serving: list[ServedRow] | None = None
-    # Same text (reference backend): the drafter against the MXFP4 target along bf16's continuation.
+    # The text the reference path measured along: its own generation, vLLM's served AR text, or none ran
+    reference_text: Literal["generated", "served"] | None = None
+    # Same text (reference path): the drafter against the MXFP4 target along bf16's continuation.
     same_text_cells: list[AcceptanceCell] = []
     same_text_drift: list[DriftRow] = []  # MXFP4 on bf16's text minus bf16 on its own text, paired
-    fidelity: list[FidelityRow] = []
+    fidelity: list[FidelityRow] = []  # per workload, one row per way it was measured
     accuracy: list[AccuracyRow] = []
+    mtp_drift: list[DriftRow] = []  # served MTP acceptance, MXFP4 minus bf16, paired by prompt at concurrency 1
 
     def same_text_row(self, workload: str, budget: int) -> DriftRow | None:
         return next((r for r in self.same_text_drift if (r.workload, r.budget) == (workload, budget)), None)
 
-    def fidelity_row(self, workload: str) -> FidelityRow | None:
-        return next((r for r in self.fidelity if r.workload == workload), None)
+    def fidelity_rows(self, workload: str) -> list[FidelityRow]:
+        return [r for r in self.fidelity if r.workload == workload]
 
     def accuracy_row(self, workload: str) -> AccuracyRow | None:
         return next((r for r in self.accuracy if r.workload == workload and r.measured), None)

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.artifacts import (
+    MEASURED_BY,
     GateVerdict,
     PairManifest,
     QuantizeReport,
@@ -130,7 +131,11 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         f"{v.max_tokens} output tokens; mean acceptance length counts the bonus token."
         + (" Besides each precision's own text, this checkpoint also verified the drafter along the bf16 model's "
            "text (same text), which separates drafter/target alignment from a change of the text itself."
-           if report.same_text_drift else "")), "",
+           if report.same_text_drift else "")
+        + (" Same-text acceptance was replayed along the text the bf16 vLLM server wrote." if report.reference_text == "served" else "")
+        + (" The target's fidelity to bf16 (top-1 agreement, KL on bf16's text) was measured "
+           + " and ".join(f"by {MEASURED_BY[m]}" for m in dict.fromkeys(f.measured_by for f in report.fidelity))
+           + "." if report.fidelity else "")), "",
         *[line.replace("## ", "### ") for line in acceptance_tables(report)],
         "",
         (f"Gate: **{gate.verdict}** ({'passed' if gate.passed else 'did not pass'} under its policy: mean AL drop "
@@ -139,6 +144,8 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         + (f", top-1 agreement >= {gate.thresholds.min_top1_agreement}" if gate.thresholds.min_top1_agreement is not None else "")
         + (f", KL <= {gate.thresholds.max_kl}" if gate.thresholds.max_kl is not None else "")
         + (f", accuracy drop <= {gate.thresholds.max_accuracy_drop}" if gate.thresholds.max_accuracy_drop is not None else "")
+        + (f", served MTP mean AL drop <= {gate.thresholds.max_mtp_acceptance_drop}"
+           if gate.thresholds.max_mtp_acceptance_drop is not None and report.mtp_drift else "")
         + f", inconclusive counts as {gate.thresholds.on_inconclusive})."), "",
         *[f"- {check.name}: **{check.verdict}**: {check.reason}" for check in gate.checks if check.verdict != "pass"],
         "",
@@ -194,7 +201,12 @@ def _not_measured(recipe: Recipe, report: ValidateReport) -> list[str]:
     measured_methods = {"dflash"} | {r.method for r in report.serving or []}
     items += [f"Method `{m}` (listed in the recipe, not in this report)." for m in v.methods if m not in measured_methods]
     if not report.same_text_drift:
-        items.append("Same-text acceptance and the target's top-1 agreement and KL against bf16 (reference backend only).")
+        items.append("Same-text acceptance (needs the reference backend, or the bf16 and MXFP4 AR servers).")
+    if not report.fidelity:
+        items.append("The target's top-1 agreement and KL against bf16 (needs the reference backend, or the bf16 and "
+                     "MXFP4 AR servers).")
+    if "mtp" in v.methods and not report.mtp_drift:
+        items.append("MTP acceptance drift (needs MTP served at both precisions).")
     measured_accuracy = [a.workload for a in report.accuracy if a.measured]
     items += [f"Task accuracy on {a.workload}: {a.note}." for a in report.accuracy if not a.measured]
     items.append("Task accuracy" + (f" beyond {', '.join(measured_accuracy)}" if measured_accuracy else "")

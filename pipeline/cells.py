@@ -1,7 +1,8 @@
 """Validate's work as cells: units that measure and nothing else, each kept on its own.
 
 A cell is one server of the serving matrix (precision x method x budget, every workload and
-concurrency) or one (precision, workload) of the reference backend. Each finished cell is a folder
+concurrency) or one (precision, workload) of the reference backend, which either generates its own
+text or, in a vLLM-only study, replays along the text vLLM served (a replay cell). Each finished cell is a folder
 OUT/.mxspec/cells/<cell>/ with its result files and `cell.json` (its fingerprint: the recipe keys,
 inputs and tool versions the result depends on), written through a temp folder renamed into place.
 So a validate killed or failed part-way starts again with every finished cell as it is (never
@@ -47,6 +48,11 @@ def serving_cell_name(label: str) -> str:
 
 def reference_cell_name(precision: str, workload: str) -> str:
     return f"reference-{precision}-{workload}"
+
+
+def replay_cell_name(precision: str, workload: str) -> str:
+    """The reference backend's cell that replays along vLLM's served text instead of generating its own."""
+    return f"replay-{precision}-{workload}"
 
 
 def fingerprint(**parts) -> str:

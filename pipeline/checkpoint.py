@@ -75,6 +75,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
+MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction head, in checkpoint names
+
+
 def has_mtp_head(config: dict[str, Any]) -> bool:
     """Whether the model has a multi-token-prediction head (Qwen3.5's `mtp.*`)."""
     return bool(text_config(config).get("mtp_num_hidden_layers"))

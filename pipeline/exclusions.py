@@ -13,6 +13,7 @@ A pattern that matches no layer is a mistake too (usually a typo), not a no-op.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -105,3 +106,10 @@ def check_exclusions(layers: Iterable[str], patterns: Iterable[str]) -> set[str]
                 "vLLM fuses them, so exclude all of them or none"
             )
     return excluded
+
+
+def served_as_kept(layer: str, exclude: Iterable[str]) -> bool:
+    """Whether vLLM builds `layer` unquantized from a Quark export's `exclude` list: an entry equal to the
+    layer's checkpoint name, or a `re:` regex matching it from its start. vLLM's Quark config reads no
+    globs (`should_ignore_layer`), so a glob there excludes nothing."""
+    return any(re.match(entry[3:], layer) if entry.startswith("re:") else entry == layer for entry in exclude)

@@ -2,7 +2,7 @@
 
 The gate never re-measures, and it alone holds thresholds (validate's fingerprint leaves `[gate]`
 out, so changing a threshold re-runs this stage only). It reads `validate/report.json`, applies the
-recipe's thresholds to each (workload, budget) drift row using the bootstrap intervals (`drift.decide`: fail only when the drop
+recipe's thresholds to each (workload, budget) drift row (and each served MTP drift row) using the bootstrap intervals (`drift.decide`: fail only when the drop
 is significantly beyond the threshold, inconclusive when the interval straddles it) and, when the
 recipe asks for a minimum MXFP4 throughput lift, to the vLLM serving rows. Outputs, for people and CI
 systems: verdict.json (schema `mxspec.gate/1`), summary.md (a job summary or PR comment) and
@@ -18,6 +18,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from pipeline.artifacts import (
+    MEASURED_BY,
     DriftRow,
     GateCheck,
     GateVerdict,
@@ -50,6 +51,8 @@ def gate_report(report_path: Path, thresholds: Gate) -> GateVerdict:
     intervals only, so thresholds change without re-measuring."""
     report = read_report(report_path)
     checks = [_acceptance_check(row, thresholds, report) for row in report.drift]
+    if thresholds.max_mtp_acceptance_drop is not None:
+        checks += [_mtp_check(row, thresholds) for row in report.mtp_drift]
     if thresholds.min_throughput_lift is not None:
         checks += _throughput_checks(report.serving or [], thresholds.min_throughput_lift)
     verdict = max((c.verdict for c in checks), key=SEVERITY.__getitem__)
@@ -85,18 +88,21 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
         measures.append(_Measure("same text", verdict, (
             f"same-text mean AL drop {-same.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
             f"{gate.max_same_text_drop}{_over(-same.delta, gate.max_same_text_drop, verdict)} -> {verdict}")))
-    fidelity = report.fidelity_row(row.workload)
-    if fidelity is not None and gate.min_top1_agreement is not None:
-        low, high = fidelity.top1_agreement_ci95
-        verdict = decide((1 - high, 1 - low), 1 - gate.min_top1_agreement)
-        measures.append(_Measure("fidelity", verdict, (
-            f"top-1 agreement {fidelity.top1_agreement:.3f} (95% CI {low:.3f}..{high:.3f}) vs min "
-            f"{gate.min_top1_agreement}{_over(fidelity.top1_agreement, gate.min_top1_agreement, verdict, 'short')} -> {verdict}")))
-    if fidelity is not None and gate.max_kl is not None:
-        verdict = decide(tuple(fidelity.kl_ci95), gate.max_kl)
-        measures.append(_Measure("fidelity", verdict, (
-            f"KL {fidelity.kl:.3f} (95% CI {fidelity.kl_ci95[0]:.3f}..{fidelity.kl_ci95[1]:.3f}) vs max "
-            f"{gate.max_kl}{_over(fidelity.kl, gate.max_kl, verdict)} -> {verdict}")))
+    fidelities = report.fidelity_rows(row.workload)
+    for fidelity in fidelities:
+        by = f" ({MEASURED_BY[fidelity.measured_by]})" if len(fidelities) > 1 else ""
+        if gate.min_top1_agreement is not None:
+            low, high = fidelity.top1_agreement_ci95
+            verdict = decide((1 - high, 1 - low), 1 - gate.min_top1_agreement)
+            measures.append(_Measure("fidelity", verdict, (
+                f"top-1 agreement{by} {fidelity.top1_agreement:.3f} (95% CI {low:.3f}..{high:.3f}) vs min "
+                f"{gate.min_top1_agreement}{_over(fidelity.top1_agreement, gate.min_top1_agreement, verdict, 'short')} "
+                f"-> {verdict}")))
+        if gate.max_kl is not None:
+            verdict = decide(tuple(fidelity.kl_ci95), gate.max_kl)
+            measures.append(_Measure("fidelity", verdict, (
+                f"KL{by} {fidelity.kl:.3f} (95% CI {fidelity.kl_ci95[0]:.3f}..{fidelity.kl_ci95[1]:.3f}) vs max "
+                f"{gate.max_kl}{_over(fidelity.kl, gate.max_kl, verdict)} -> {verdict}")))
     accuracy = report.accuracy_row(row.workload)
     if accuracy is not None and gate.max_accuracy_drop is not None:
         drop_ci = drop_interval(accuracy.delta_ci95)
@@ -112,17 +118,31 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
         cause = "target degraded: "
     elif own_text_held and "same text" in failed:
         cause = "same-text acceptance dropped: "
-    unmeasured = "" if same is not None else "; same-text acceptance and fidelity not measured (reference backend only)"
+    unmeasured = "" if same is not None or fidelities else (
+        "; same-text acceptance and fidelity not measured (they need the reference backend, or the bf16 and "
+        "MXFP4 AR servers)")
     measured = {"delta": row.delta, "ci95": list(row.ci95), "max_position_gap": row.max_position_gap,
                 "num_prompts": row.num_prompts}
     if same is not None:
         measured["same_text_delta"] = same.delta
-    if fidelity is not None:
-        measured |= {"top1_agreement": fidelity.top1_agreement, "kl": fidelity.kl}
+    if fidelities:  # the worse of the ways it was measured
+        measured |= {"top1_agreement": min(f.top1_agreement for f in fidelities), "kl": max(f.kl for f in fidelities)}
     if accuracy is not None:
         measured["accuracy_delta"] = accuracy.delta
     return GateCheck(name=f"{row.workload} B={row.budget}", workload=row.workload, kind="acceptance", verdict=verdict,
                      reason=cause + "; ".join(m.detail for m in measures) + unmeasured, measured=measured)
+
+
+def _mtp_check(row: DriftRow, gate: Gate) -> GateCheck:
+    """Served MTP acceptance of the MXFP4 checkpoint's head against bf16's: a head that lost its weights or
+    its declarations collapses to AL ~1 (users' reports), which own-text DFlash rows never show."""
+    drop_ci = drop_interval(row.ci95)
+    verdict = decide(drop_ci, gate.max_mtp_acceptance_drop)
+    reason = (f"served MTP mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+              f"{gate.max_mtp_acceptance_drop}{_over(-row.delta, gate.max_mtp_acceptance_drop, verdict)} -> {verdict}")
+    return GateCheck(name=f"{row.workload} MTP B={row.budget}", workload=row.workload, kind="acceptance", verdict=verdict,
+                     reason=("MTP head degraded: " if verdict == "fail" else "") + reason,
+                     measured={"delta": row.delta, "ci95": list(row.ci95), "num_prompts": row.num_prompts})
 
 
 def _own_text(row: DriftRow, gate: Gate) -> _Measure:
@@ -174,6 +194,7 @@ def summary_markdown(result: GateVerdict) -> str:
              + (f", top-1 agreement >= {t.min_top1_agreement}" if t.min_top1_agreement is not None else "")
              + (f", KL <= {t.max_kl}" if t.max_kl is not None else "")
              + (f", accuracy drop <= {t.max_accuracy_drop}" if t.max_accuracy_drop is not None else "")
+             + (f", served MTP mean AL drop <= {t.max_mtp_acceptance_drop}" if t.max_mtp_acceptance_drop is not None else "")
              + (f", MXFP4 throughput lift >= {t.min_throughput_lift:+.0%}" if t.min_throughput_lift is not None else "")
              + f"; {policy}. A cell fails only when the 95% interval lies beyond the threshold.",
              "", "| cell | verdict | why |", "|---|---|---|"]

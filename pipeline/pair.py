@@ -3,7 +3,8 @@
 Checks, each one clear error, before any expensive validation: the drafter is a DFlash checkpoint;
 hidden size and vocabulary match the target (tokenizer files hashed where the drafter ships any);
 every `target_layer_ids` entry is a target layer; the mask token is in the vocabulary; the block size
-covers the recipe's budgets; the MXFP4 target keeps the bf16 target's tokenizer. Then the drafter's
+covers the recipe's budgets; the MXFP4 target keeps the bf16 target's tokenizer and declares its MTP
+head so that vLLM loads it as stored (`mtp_declaration_problems`). Then the drafter's
 files are hashed again and compared with their source: the recipe's pinned digest for a local
 drafter, the Hub's content hashes (LFS blob names) for a Hub snapshot. The pair manifest names both
 targets, the drafter, revisions and hashes, and the exact vLLM launch commands.
@@ -22,7 +23,7 @@ from pipeline.artifacts import (
     ResolvedModel,
     write_artifact,
 )
-from pipeline.checkpoint import text_config
+from pipeline.checkpoint import MTP_PREFIX, has_mtp_head, read_checkpoint, text_config
 from pipeline.errors import BadInputError
 from pipeline.hashing import HashCache, digest_of, list_files
 from pipeline.layout import PAIR_FILE
@@ -119,6 +120,33 @@ def check_unchanged(drafter: ResolvedModel, pinned_digest: str | None, hashes: H
     return now
 
 
+def mtp_declaration_problems(export: Path, source_config: dict) -> list[str]:
+    """Why vLLM would not load the export's MTP head as stored (empty list: it would). A source with a head
+    must keep it in the export, and each of its layers must be declared as vLLM reads a Quark config: a layer
+    stored unquantized named in `quantization_config.exclude` (else vLLM builds it MXFP4 and the load fails
+    or reads garbage), a quantized one not named there. A head that is missing is built randomly initialised."""
+    from pipeline.exclusions import served_as_kept
+
+    if not has_mtp_head(source_config):
+        return []
+    checkpoint = read_checkpoint(export)
+    exclude = (checkpoint.config.get("quantization_config") or {}).get("exclude") or []
+    head = [layer for layer in checkpoint.linear_layers() if layer.startswith(MTP_PREFIX)]
+    if not head:
+        return [f"the export has no {MTP_PREFIX}* tensors but its source has an MTP head: vLLM would serve MTP "
+                "from a randomly initialised head; re-run quantize"]
+    problems = []
+    for layer in head:
+        stored_kept = f"{layer}.weight_scale" not in checkpoint.tensors
+        if stored_kept and not served_as_kept(layer, exclude):
+            problems.append(f"MTP layer {layer} is stored unquantized but quantization_config.exclude does not name "
+                            "it, so vLLM would build it as MXFP4; re-run quantize")
+        elif not stored_kept and served_as_kept(layer, exclude):
+            problems.append(f"MTP layer {layer} is stored as MXFP4 but quantization_config.exclude names it, so vLLM "
+                            "would build it unquantized; re-run quantize")
+    return problems
+
+
 def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, block_size: int) -> dict[str, str]:
     """`vllm serve` for the bf16 target and its MXFP4 checkpoint, each speculating with the drafter at its
     own block size."""
@@ -131,7 +159,7 @@ def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, b
 
 class PairStage:
     name = "pair"
-    version = 2
+    version = 3
     sections = ("drafter", "validation", "serving")
     requires = ("resolve", "quantize")
     tools = ()
@@ -150,6 +178,8 @@ class PairStage:
         for name in sorted(_tokenizer_hashes(target)):
             if quantized_files.get(name) != target.files[name]:
                 raise BadInputError(f"the MXFP4 checkpoint's {name} differs from the target's; re-run quantize")
+        if problems := mtp_declaration_problems(quantized_dir, target.config):
+            raise BadInputError(f"{quantized_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         block_size = drafter.config.get("block_size") or drafter.config["dflash_config"]["block_size"]
         drafter_ref = drafter.ref.split("@")[0] if drafter.source == "hub" else drafter.path
         target_ref = target.ref.split("@")[0] if target.source == "hub" else target.path

@@ -5,11 +5,15 @@ A cell is a unit of validate's work that measures and nothing else (`pipeline.ce
                   at every concurrency; it holds `serving.tensor_parallel_size` GPUs;
   reference cell  one (precision, workload) of the reference backend; the MXFP4 cell needs the bf16
                   cell of its workload (it verifies bf16's text), so it starts after it; one GPU.
+  replay cell     the same along vLLM's served AR text (a vLLM-only study): after its precision's AR
+                  server, one target pass per text (MXFP4: two, its own and bf16's); one GPU.
 
 The cost model is arithmetic over the recipe's `[plan]` rates, which are estimates, not measurements:
   serving    start-up + sum over the served workloads (`Recipe.served`) and concurrencies of
              num_prompts x output_tokens_per_prompt / (tok_s[method] x mxfp4_speedup? x min(c, batch_gain))
   reference  num_prompts x max_tokens / reference_tok_s[precision]
+  replay     num_prompts x output_tokens_per_prompt / replay_tok_s[precision]
+  AR servers of a vLLM-only study also score bf16's text: + workloads x num_prompts x output_tokens / prefill_tok_s
 A schedule places cells longest first, each on the GPUs of one node that free up earliest (after the
 cells it depends on), which is what a Ray cluster with one task per cell and GPU reservations does.
 """
@@ -18,16 +22,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.cells import reference_cell_name, serving_cell_name
+from pipeline.cells import reference_cell_name, replay_cell_name, serving_cell_name
 from pipeline.recipe import Recipe
-from pipeline.serving.benchmark import server_matrix
+from pipeline.serving.benchmark import ServerCell, scores_fidelity, server_matrix
 
 
 class PlannedCell(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
-    kind: str  # serving | reference
+    kind: str  # serving | reference | replay
     gpus: int
     output_tokens: int  # tokens the cell generates, at most
     estimate_s: float
@@ -75,10 +79,20 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
         for server in server_matrix(recipe):
             single = rates.tok_s[server.method] * (rates.mxfp4_speedup if server.precision == "mxfp4" else 1.0)
             serving = sum(served.num_prompts * out_tokens / (single * min(c, rates.batch_gain)) for c in v.concurrency)
+            scoring = served.num_prompts * out_tokens / rates.prefill_tok_s if scores_fidelity(server, recipe) else 0.0
+            after = (_ar_cell("bf16"),) if scoring and server.precision == "mxfp4" else ()
             cells.append(PlannedCell(
                 name=serving_cell_name(server.label), kind="serving", gpus=recipe.serving.tensor_parallel_size,
-                output_tokens=len(served.workloads) * len(v.concurrency) * served.num_prompts * out_tokens,
-                estimate_s=rates.server_start_s + len(served.workloads) * serving))
+                output_tokens=len(served.workloads) * len(v.concurrency) * served.num_prompts * out_tokens, after=after,
+                estimate_s=rates.server_start_s + len(served.workloads) * (serving + scoring)))
+    if v.replays_served_text:
+        out_tokens = rates.output_tokens_per_prompt or v.max_tokens
+        for precision in ("bf16", "mxfp4"):
+            for workload in v.workloads:
+                after = (_ar_cell(precision),) + ((replay_cell_name("bf16", workload),) if precision == "mxfp4" else ())
+                cells.append(PlannedCell(
+                    name=replay_cell_name(precision, workload), kind="replay", gpus=1, output_tokens=0, after=after,
+                    estimate_s=v.num_prompts * out_tokens / rates.replay_tok_s[precision]))
     if "reference" in v.backends:
         for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
             for workload in v.workloads:
@@ -88,6 +102,10 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
                     output_tokens=v.num_prompts * v.max_tokens, after=after,
                     estimate_s=v.num_prompts * v.max_tokens / rates.reference_tok_s[precision]))
     return sorted(cells, key=lambda cell: -cell.estimate_s)
+
+
+def _ar_cell(precision: str) -> str:
+    return serving_cell_name(ServerCell(precision, "ar", None).label)
 
 
 def schedule(cells: list[PlannedCell], nodes: int, gpus_per_node: int) -> Schedule:

@@ -134,6 +134,13 @@ class Validation(_Section):
         "'hub': the Hub datasets the dflash benchmark client loads (MBPP differs: sanitized split)"
     )
 
+    @property
+    def replays_served_text(self) -> bool:
+        """Whether the reference path replays along vLLM's served text: a study served by vLLM alone, at
+        both precisions, with the AR servers whose greedy text it reads (validate's replay cells)."""
+        return ("vllm" in self.backends and "reference" not in self.backends
+                and {"bf16", "mxfp4"} <= set(self.precisions) and "ar" in self.methods)
+
     @model_validator(mode="after")
     def _measurable(self) -> Validation:
         for key in ("workloads", "budgets", "concurrency", "precisions", "methods", "backends"):
@@ -152,7 +159,7 @@ class Gate(_Section):
     max_position_gap: Annotated[float, Field(ge=0, le=1)] = 0.05
     max_same_text_drop: Annotated[float, Field(ge=0)] = Field(
         0.25, description="largest tolerated drop of mean AL when the MXFP4 target verifies bf16's own text "
-        "(drafter/target alignment with the text held fixed; reference backend)"
+        "(drafter/target alignment with the text held fixed)"
     )
     min_top1_agreement: Annotated[float, Field(ge=0, le=1)] | None = Field(
         None, description="smallest tolerated share of positions where MXFP4's greedy token is bf16's, on bf16's "
@@ -164,6 +171,9 @@ class Gate(_Section):
     max_accuracy_drop: Annotated[float, Field(ge=0, le=1)] | None = Field(
         None, description="largest tolerated drop of GSM8K / MATH-500 accuracy (needs max_tokens long enough to finish)"
     )
+    max_mtp_acceptance_drop: Annotated[float, Field(ge=0)] | None = Field(
+        0.25, description="largest tolerated drop of served MTP mean AL (bf16 head vs the MXFP4 checkpoint's), per "
+        "workload and step count")
     min_throughput_lift: float | None = Field(None, description="e.g. 0.05 = MXFP4 must be 5% faster")
     on_inconclusive: Literal["fail", "pass"] = "fail"
 
@@ -199,7 +209,8 @@ class Plan(_Section):
     """Rates for `mxspec plan`'s estimates: assumptions, not measurements. The serving defaults are
     Qwen3.5-27B on one MI355X at concurrency 1 as AMD's ROCm blog reports it (AR about 80 tok/s, MTP
     about 245, DFlash about 400; MXFP4 about 15% faster); the reference defaults are what the reference
-    pair measured on a 2-core CPU (docs/benchmarks.md)."""
+    pair measured on a 2-core CPU (docs/benchmarks.md); the replay and prefill defaults are guesses for
+a 27B-class target on one accelerator, to be replaced by measured rates."""
 
     tok_s: dict[Method, Annotated[float, Field(gt=0)]] = Field(
         {"ar": 80.0, "mtp": 245.0, "dflash": 400.0}, description="one request's output tokens/s per method, bf16 target")
@@ -209,6 +220,11 @@ class Plan(_Section):
     output_tokens_per_prompt: Annotated[int, Field(ge=1)] | None = Field(
         None, description="expected tokens per response; default validation.max_tokens (an upper bound)")
     server_start_s: Annotated[float, Field(ge=0)] = Field(300.0, description="loading and warming one vLLM server")
+    replay_tok_s: dict[Precision, Annotated[float, Field(gt=0)]] = Field(
+        {"bf16": 4000.0, "mxfp4": 2000.0}, description="reference path along vLLM's served text (a vLLM-only study), "
+        "text tokens/s per precision on the node's accelerator; MXFP4 includes its pass over bf16's text")
+    prefill_tok_s: Annotated[float, Field(gt=0)] = Field(
+        20000.0, description="a server's prompt_logprobs prefill, tokens/s: the AR servers score text for fidelity")
     reference_tok_s: dict[Precision, Annotated[float, Field(gt=0)]] = Field(
         {"bf16": 18.0, "mxfp4": 8.7}, description="reference backend, tokens/s per precision (MXFP4 includes the same-text pass)")
 
@@ -274,6 +290,8 @@ class Recipe(_Section):
         missing = [f"plan.tok_s.{m}" for m in v.methods if "vllm" in v.backends and m not in self.plan.tok_s]
         missing += [f"plan.reference_tok_s.{p}" for p in v.precisions
                     if "reference" in v.backends and p not in self.plan.reference_tok_s]
+        missing += [f"plan.replay_tok_s.{p}" for p in v.precisions
+                    if v.replays_served_text and p not in self.plan.replay_tok_s]
         if missing:
             raise ValueError(f"{', '.join(missing)}: no rate to estimate with; add it to [plan] or drop the key to use the defaults")
         return self

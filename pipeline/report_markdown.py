@@ -87,7 +87,9 @@ def same_text_tables(report: ValidateReport) -> list[str]:
         lines += ["", "## Text drift or alignment: MXFP4 on bf16's own text", "",
                   ("Own text: each precision's drafter acceptance on its own greedy continuation (what a user gets). "
                    "Same text: the MXFP4 target verifies the drafter along bf16's continuation (teacher forced), so "
-                   "a damaged target whose text became easier to draft cannot look better here."), "",
+                   "a damaged target whose text became easier to draft cannot look better here."
+                   + (" bf16's continuation is the text the bf16 AR server wrote; the reference path replayed "
+                      "both targets along it." if report.reference_text == "served" else "")), "",
                   "| Workload | Block | bf16 own | MXFP4 own | MXFP4 on bf16 text | own Δ | same-text Δ | same-text 95% CI |",
                   "|---|---|---|---|---|---|---|---|"]
         own = {(d.workload, d.budget): d for d in report.drift}
@@ -101,15 +103,24 @@ def same_text_tables(report: ValidateReport) -> list[str]:
                 f"{'-' if own_delta is None else f'{own_delta.delta:+.3f}'} | {d.delta:+.3f} | "
                 f"[{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] |")
     if report.fidelity:
-        top_k = report.fidelity[0].kl_top_k
         lines += ["", "## MXFP4 target fidelity on bf16's text", "",
-                  "| Workload | prompts | positions | top-1 agreement | 95% CI | KL(bf16 ‖ MXFP4), nats | 95% CI |",
-                  "|---|---|---|---|---|---|---|"]
+                  ("Both targets read bf16's greedy text, teacher forced. Measured by: `vllm` = the AR servers' own "
+                   "kernels (prompt_logprobs of the bf16 and the MXFP4 server), `reference` = the reference path "
+                   "(PyTorch; the MXFP4 checkpoint through Quark's importer)."), "",
+                  "| Workload | measured by | prompts | positions | top-1 agreement | 95% CI | KL(bf16 ‖ MXFP4), nats | 95% CI | top-k |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for f in report.fidelity:
-            lines.append(f"| {f.workload} | {f.num_prompts} | {f.num_positions} | {f.top1_agreement:.3f} | "
+            lines.append(f"| {f.workload} | {f.measured_by} | {f.num_prompts} | {f.num_positions} | {f.top1_agreement:.3f} | "
                          f"[{f.top1_agreement_ci95[0]:.3f}, {f.top1_agreement_ci95[1]:.3f}] | {f.kl:.3f} | "
-                         f"[{f.kl_ci95[0]:.3f}, {f.kl_ci95[1]:.3f}] |")
-        lines += ["", f"KL keeps bf16's top {top_k} tokens and merges the rest into one outcome: a lower bound of the full KL."]
+                         f"[{f.kl_ci95[0]:.3f}, {f.kl_ci95[1]:.3f}] | {f.kl_top_k} |")
+        lines += ["", ("KL keeps bf16's top-k tokens (those the MXFP4 side also reports, through vLLM) and merges the "
+                       "rest into one outcome: a lower bound of the full KL.")]
+    if report.mtp_drift:
+        lines += ["", "## MTP head: bf16 vs MXFP4 checkpoint (served, concurrency 1)", "",
+                  "| Workload | steps + 1 | Δ mean AL | 95% CI | max per-position gap | prompts |", "|---|---|---|---|---|---|"]
+        for d in report.mtp_drift:
+            lines.append(f"| {d.workload} | {d.budget} | {d.delta:+.3f} | [{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] | "
+                         f"{d.max_position_gap:.3f} | {d.num_prompts} |")
     if report.accuracy:
         lines += ["", "## Task accuracy (answers checked without running code)", "",
                   "| Workload | bf16 | MXFP4 | Δ | 95% CI (paired) | finished bf16 / MXFP4 | note |", "|---|---|---|---|---|---|---|"]

@@ -29,8 +29,10 @@ class TargetHooks:
 
 
 def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Concatenate the outputs of target layers `layer_ids` (HF `hidden_states[i + 1]`)."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    """Concatenate the outputs of target layers `layer_ids` (HF `hidden_states[i + 1]`), on the device of
+    the first layer's (a target spread over GPUs leaves its layers' outputs on several)."""
+    device = hidden_states[0].device
+    return torch.cat([hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
 
 
 def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
@@ -40,8 +42,8 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: in
     """
     num_blocks = anchors.shape[0]
     queries = num_blocks * block_size
-    block_of_query = torch.arange(queries) // block_size
-    ctx = torch.arange(context_len)[None, :] < anchors[block_of_query][:, None]
+    block_of_query = torch.arange(queries, device=anchors.device) // block_size
+    ctx = torch.arange(context_len, device=anchors.device)[None, :] < anchors[block_of_query][:, None]
     own = block_of_query[:, None] == block_of_query[None, :]
     return torch.cat([ctx, own], dim=1)[None, None]
 
@@ -56,18 +58,21 @@ def draft_at_anchors(
 ) -> torch.Tensor:
     """Draft logits [K, B-1, vocab] for a block anchored at each position, all in one pass."""
     cfg = drafter.cfg
+    device = features.device
+    anchors = anchors.to(device)
     num_blocks = anchors.shape[0]
-    block_tokens = torch.full((num_blocks, block_size), cfg.mask_token_id, dtype=torch.long)
-    block_tokens[:, 0] = tokens[anchors]
+    block_tokens = torch.full((num_blocks, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_tokens[:, 0] = tokens.to(device)[anchors]
     dtype = next(drafter.parameters()).dtype
-    block_embeds = hooks.embed(block_tokens.view(1, -1)).to(dtype)
+    block_embeds = hooks.embed(block_tokens.view(1, -1).to(hooks.embed.weight.device)).to(device, dtype)
     context = drafter.fuse_context(features[None].to(dtype))
-    context_positions = torch.arange(features.shape[0])[None]
-    block_positions = (anchors[:, None] + torch.arange(block_size)[None]).view(1, -1)
+    context_positions = torch.arange(features.shape[0], device=device)[None]
+    block_positions = (anchors[:, None] + torch.arange(block_size, device=device)[None]).view(1, -1)
     mask = block_attention_mask(anchors, block_size, features.shape[0])
     hidden = drafter(block_embeds, context, context_positions, block_positions, attn_mask=mask)
     hidden = hidden.view(num_blocks, block_size, -1)[:, 1:]
-    return hooks.lm_head(hidden.to(hooks.lm_head.weight.dtype))
+    head = hooks.lm_head.weight
+    return hooks.lm_head(hidden.to(head.device, head.dtype))
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ def replay_acceptance(
             part = candidates[start : start + chunk]
             drafts[start : start + len(part)] = draft_at_anchors(
                 drafter, hooks, tokens, features, part, block_size
-            ).argmax(-1)
+            ).argmax(-1).cpu()
     return accept_along(lambda anchor: drafts[anchor - prompt_len], tokens, prompt_len, block_size, end, predictions)
 
 
@@ -186,16 +191,16 @@ def replay_pass(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_s
     this target's features, and its drafts are verified by this target's own greedy predictions
     (`same_text_accepted`)."""
     sequence = torch.as_tensor(tokens)
-    out = target(sequence[None], output_hidden_states=True)
+    out = target(sequence[None].to(target.get_input_embeddings().weight.device), output_hidden_states=True)
     features = target_features(out.hidden_states, drafter.cfg.target_layer_ids)[0].float()
-    logits = out.logits[0].float()
+    logits = out.logits[0].float().cpu()
     predictions = logits.argmax(-1) if same_text else None
     hooks = TargetHooks.of(target)
     replays = {b: replay_acceptance(drafter, hooks, sequence, features, prompt_len, b, end=end, predictions=predictions)
                for b in block_sizes}
     stop = sequence.shape[0] if end is None else end
     return TargetPass(replays, torch.log_softmax(logits[prompt_len - 1 : stop - 1], dim=-1),
-                      out.hidden_states[-1][0].float())
+                      out.hidden_states[-1][0].float().cpu())
 
 
 @torch.no_grad()

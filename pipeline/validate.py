@@ -1,12 +1,14 @@
 """Validate stage (reference backend): does the unchanged drafter accept as well on the MXFP4 target?
 
 For each workload, precision (bf16 / MXFP4) and budget B, the reference backend measures DFlash
-acceptance in plain PyTorch over the HF target: the target's greedy continuation of each prompt is
-generated once, the target runs once over prompt + continuation for its hidden states, and
-`speculative.replay_acceptance` walks the steps a greedy speculative run takes (identical to the
-online loop, `speculative.generate_online`, which the tests keep as the cross-check). Drift rows
-compare the precisions with bootstrap intervals (`drift`). Outputs: report.json (schema
-docs/schemas/validate.schema.json), report.md (the blog's tables) and PNG figures.
+acceptance in plain PyTorch over the HF target: the target runs once over prompt + continuation for
+its hidden states, and `speculative.replay_acceptance` walks the steps a greedy speculative run takes
+(identical to the online loop, `speculative.generate_online`, which the tests keep as the cross-check).
+The continuation is either the target's own greedy text, generated here (reference cells), or, in a
+study that serves with vLLM alone, the greedy text the AR servers wrote (replay cells): then the
+reference path never generates, it runs one target pass per text, on the accelerator when there is
+one. Drift rows compare the precisions with bootstrap intervals (`drift`). Outputs: report.json
+(schema docs/schemas/validate.schema.json), report.md (the blog's tables) and PNG figures.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from pipeline.cells import (
     Measured,
     fingerprint,
     reference_cell_name,
+    replay_cell_name,
     run_cells,
+    serving_cell_name,
 )
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import (
@@ -51,7 +55,7 @@ from pipeline.drift import (
     pooled_ratio_ci,
     prompt_bootstrap_ci,
 )
-from pipeline.fidelity import TOP_K, PromptFidelity, ReferenceDistribution, compare
+from pipeline.fidelity import SERVED_TOP_K, TOP_K, PromptFidelity, ReferenceDistribution, compare
 from pipeline.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
 from pipeline.mtp import MtpHead, load_mtp_head, replay_mtp
 from pipeline.recipe import Cluster, Recipe
@@ -63,20 +67,36 @@ from pipeline.versions import package_version
 from pipeline.workloads import Prompt, describe_source, load_prompts
 
 
-def load_target(path: Path, precision: str):
-    """The target as a float32 CPU model: the source (bf16 upcast, or an FP8 source dequantized), or the
-    MXFP4 export via Quark's importer (so W+A checkpoints quantize activations as they would when served)."""
+def reference_device() -> str:
+    """Where the reference path runs: the accelerator when torch sees one (CUDA or ROCm), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_target(path: Path, precision: str, device: str = "cpu"):
+    """The target as a model the reference path runs: the source (bf16, or an FP8 source dequantized), or
+    the MXFP4 export via Quark's importer (so W+A checkpoints quantize activations as they would when
+    served). On the CPU in float32 (no native bf16 there); on an accelerator in bf16, a bf16 source
+    spread over the node's GPUs by transformers' `device_map`."""
+    from pipeline.checkpoint import read_checkpoint
+    from pipeline.fp8 import is_fp8_source
     from pipeline.quantize import _quark, load_source
 
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if precision == "bf16":
-        return load_source(Path(path)).eval()
+        if device != "cpu" and not is_fp8_source(read_checkpoint(Path(path)).config):
+            import transformers
 
-    model = _quark().import_model_from_safetensors(None, str(path), device="cpu").float().eval()
-    return decode_weights_once(model)
+            config = read_checkpoint(Path(path)).config
+            model_class = getattr(transformers, config["architectures"][0])
+            return model_class.from_pretrained(path, dtype=dtype, device_map="auto").eval()
+        return load_source(Path(path)).to(device=device, dtype=dtype).eval()
+
+    model = _quark().import_model_from_safetensors(None, str(path), device=device).to(dtype).eval()
+    return decode_weights_once(model, dtype)
 
 
 @torch.no_grad()
-def decode_weights_once(model):
+def decode_weights_once(model, dtype: torch.dtype = torch.float32):
     """Replace each Quark linear's packed MXFP4 weight by its dequantized value, decoded once by Quark.
 
     Quark's importer keeps weights packed and unpacks them on every forward, which is most of the cost
@@ -86,7 +106,7 @@ def decode_weights_once(model):
         quantizer = getattr(module, "weight_quantizer", None)
         if quantizer is None or not hasattr(module, "_get_qweight"):
             continue
-        decoded = module._get_qweight(module.weight).float()
+        decoded = module._get_qweight(module.weight).to(dtype)
         module.weight = torch.nn.Parameter(decoded, requires_grad=False)
         module.weight_quantizer = None
         if getattr(module, "_quant_dict", None):
@@ -116,8 +136,8 @@ def greedy_continuations(target, tokenizer, prompts: list[Prompt], max_tokens: i
         for r, i in enumerate(rows):
             ids[r, width - len(encoded[i]) :] = torch.tensor(encoded[i])
             mask[r, width - len(encoded[i]) :] = 1
-        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                              pad_token_id=eos)
+        out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                              max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos).cpu()
         for r, i in enumerate(rows):
             generated = out[r, width:].tolist()
             if eos in generated:
@@ -187,18 +207,36 @@ class _Targets:
     def __init__(self):
         self.key, self.model = None, None
 
-    def get(self, path: Path, precision: str):
-        if self.key != (str(path), precision):
+    def get(self, path: Path, precision: str, device: str):
+        if self.key != (str(path), precision, device):
             self.model = None
-            self.model, self.key = load_target(path, precision), (str(path), precision)
+            self.model, self.key = load_target(path, precision, device), (str(path), precision, device)
         return self.model
 
 
+Text = tuple[list[int], int]  # prompt + continuation token ids, and the prompt's length
+
+
+def ar_serving_cell(precision: str) -> str:
+    """The AR serving cell whose greedy text a replay cell of `precision` measures along."""
+    from pipeline.serving.benchmark import ServerCell
+
+    return serving_cell_name(ServerCell(precision, "ar", None).label)
+
+
+def _served_texts(folder: Path, workload: str) -> list[Text]:
+    from pipeline.serving.benchmark import ServedCell, served_texts
+
+    cell = read_artifact(folder / RESULT_FILE, ServedCell, "run validate again")
+    return [(text.tokens, len(text.prompt)) for text in served_texts(cell, workload)]
+
+
 def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
-                    digests: dict[str, str]) -> list[Cell]:
+                    digests: dict[str, str], served: dict[str, str] | None = None) -> list[Cell]:
     """One cell per (precision, workload), bf16 first: each MXFP4 cell verifies its workload's bf16 texts.
 
-    Each precision writes its own greedy continuations; one target pass over each gives the features
+    Each precision's own greedy continuations (generated here, or with `served`, the AR servers' text:
+    precision -> fingerprint of that serving cell) get one target pass each, which gives the features
     for every budget's replay (own-text acceptance) and the next-token distributions. The MXFP4 target
     then runs once more over each bf16 text (not once per budget) for the same-text acceptance and the
     fidelity measures."""
@@ -207,10 +245,12 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
     v = recipe.validation
     loaded: dict = {}
     targets = _Targets()
+    device = reference_device()
 
     def tools():  # loaded on the first cell that measures, not for a run whose cells are all finished
         if not loaded:
-            loaded["drafter"] = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
+            dtype = torch.float32 if device == "cpu" else torch.bfloat16
+            loaded["drafter"] = DFlashDrafter.from_pretrained(drafter_path, dtype=dtype).to(device)
             loaded["tokenizer"] = AutoTokenizer.from_pretrained(paths["bf16"])
         return loaded["drafter"], loaded["tokenizer"]
 
@@ -228,39 +268,57 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
               "mtp": replays_mtp,
               "num_prompts": v.num_prompts, "max_tokens": v.max_tokens, "seed": v.seed, "source": v.prompt_source,
               "tools": {name: package_version(name) for name in ("torch", "transformers", "amd-quark")}}
+    cell_name = replay_cell_name if served else reference_cell_name
     cells, prints = [], {}
     for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
         for workload, items in prompts.items():
-            name = reference_cell_name(precision, workload)
-            bf16 = reference_cell_name("bf16", workload) if precision == "mxfp4" and "bf16" in v.precisions else None
-            prints[name] = fingerprint(cell=name, target=digests[precision], after=prints.get(bf16), **common)
+            name = cell_name(precision, workload)
+            bf16 = cell_name("bf16", workload) if precision == "mxfp4" and "bf16" in v.precisions else None
+            text_cell = ar_serving_cell(precision) if served else None
+            after = tuple(c for c in (text_cell, bf16) if c)
+            prints[name] = fingerprint(cell=name, target=digests[precision], after=prints.get(bf16),
+                                       text=served[precision] if served else None, **common)
 
-            def measure(work: CellWorkspace, precision=precision, workload=workload, items=items, bf16=bf16) -> None:
+            def measure(work: CellWorkspace, precision=precision, workload=workload, items=items, bf16=bf16,
+                        text_cell=text_cell) -> None:
                 drafter, tokenizer = tools()
-                target = targets.get(paths[precision], precision)
+                target = targets.get(paths[precision], precision, device)
+                if text_cell:
+                    texts = _served_texts(work.inputs[text_cell], workload)
+                else:
+                    with work.timed(f"{precision} own text"):
+                        texts = greedy_continuations(target, tokenizer, items, v.max_tokens)
                 bf16_texts = _read_texts(work.inputs[bf16]) if bf16 else None
-                result = _measure_reference_cell(target, drafter, mtp_head(precision), tokenizer, precision, workload,
-                                                 items, v, bf16_texts, work)
+                result = _measure_reference_cell(_CellModels(target, drafter, mtp_head(precision), tokenizer),
+                                                 precision, workload, items, texts, v, bf16_texts, work)
                 write_artifact(result, work.out / RESULT_FILE)
 
-            cells.append(Cell(name, prints[name], measure, after=(bf16,) if bf16 else (), steps=len(items)))
+            cells.append(Cell(name, prints[name], measure, after=after, steps=len(items)))
     return cells
 
 
+@dataclass(frozen=True)
+class _CellModels:
+    target: object
+    drafter: DFlashDrafter
+    mtp_head: MtpHead | None
+    tokenizer: object
+
+
 @torch.no_grad()
-def _measure_reference_cell(target, drafter, head: MtpHead | None, tokenizer, precision: str, workload: str,
-                            items: list[Prompt], v, bf16_texts: list[_Bf16Text] | None,
+def _measure_reference_cell(models: _CellModels, precision: str, workload: str, items: list[Prompt],
+                            texts: list[Text], v, bf16_texts: list[_Bf16Text] | None,
                             work: CellWorkspace) -> ReferenceCellResult:
+    """Replays along each of this precision's `texts` (own text) and, for MXFP4, along bf16's texts."""
     from safetensors.torch import save_file
 
+    target, drafter, head, tokenizer = models.target, models.drafter, models.mtp_head, models.tokenizer
     own_text: dict[int, list] = {b: [] for b in v.budgets}
     mtp_own_text: dict[int, list] = {b: [] for b in v.budgets} if head is not None else {}
     same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts else {}
     answers, fidelity, kept, prompt_lens = [], [], {}, []
     hooks = TargetHooks.of(target)
-    with work.timed(f"{precision} own text"):
-        runs = greedy_continuations(target, tokenizer, items, v.max_tokens)
-    for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, runs)):
+    for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, texts, strict=True)):
         with work.timed(f"{precision} own text"):
             own = replay_pass(target, drafter, tokens, prompt_len, v.budgets)
         for budget, replay in own.replays.items():
@@ -304,10 +362,12 @@ def _read_texts(folder: Path) -> list[_Bf16Text]:
 
 def measure_reference(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, prompts: dict[str, list[Prompt]],
                       store: CellStore, digests: dict[str, str], *, remeasure: bool = False,
-                      events: CellEvents | None = None, executor: Executor | None = None) -> ReferenceMeasurements:
-    """Reference backend over the recipe's matrix, cell by cell: finished cells are read, not measured."""
+                      events: CellEvents | None = None, executor: Executor | None = None,
+                      served: dict[str, str] | None = None) -> ReferenceMeasurements:
+    """Reference backend over the recipe's matrix, cell by cell: finished cells are read, not measured.
+    With `served` (precision -> fingerprint of its AR serving cell), along vLLM's served text."""
     measured = ReferenceMeasurements()
-    cells = reference_cells(recipe, paths, drafter_path, prompts, digests)
+    cells = reference_cells(recipe, paths, drafter_path, prompts, digests, served)
     measured.measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
     measured.cells = [cell.name for cell in cells]
     for cell in cells:
@@ -331,52 +391,66 @@ def report_settings(recipe: Recipe) -> ReportSettings:
                           enforce_eager="vllm" in v.backends and recipe.serving.enforce_eager)
 
 
-def _cell(workload: str, precision: str, budget: int, stats: list[AcceptanceStats], seed: int) -> AcceptanceCell:
+def _cell(workload: str, precision: str, budget: int, stats: list[AcceptanceStats], seed: int,
+          method: str = "dflash") -> AcceptanceCell:
     total = AcceptanceStats.pooled(stats)
-    return AcceptanceCell(workload=workload, precision=precision, method="dflash", budget=budget,
+    return AcceptanceCell(workload=workload, precision=precision, method=method, budget=budget,
                           mean_acceptance_length=total.mean_acceptance_length,
                           per_position_acceptance=total.per_position_acceptance, num_prompts=len(stats),
                           num_steps=total.num_drafts, ci95=prompt_bootstrap_ci(stats, seed))
 
 
 def _drift_row(workload: str, budget: int, base: list[AcceptanceStats], quant: list[AcceptanceStats],
-               seed: int) -> DriftRow:
+               seed: int, method: str = "dflash") -> DriftRow:
     drift = acceptance_drift(base, quant, seed)
-    return DriftRow(workload=workload, method="dflash", budget=budget, **asdict(drift))
+    return DriftRow(workload=workload, method=method, budget=budget, **asdict(drift))
+
+
+def _drift_rows(workloads, budgets, base: dict, quant: dict, seed: int, method: str = "dflash") -> list[DriftRow]:
+    """One row per (workload, budget) measured on both sides: `base` keyed (workload, "bf16", budget),
+    `quant` keyed (workload, "mxfp4", budget)."""
+    return [_drift_row(w, b, base[(w, "bf16", b)], quant[(w, "mxfp4", b)], seed, method)
+            for w in workloads for b in budgets if base.get((w, "bf16", b)) and quant.get((w, "mxfp4", b))]
 
 
 def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[ServedRow] | None = None,
-                 reference: ReferenceMeasurements | None = None) -> ValidateReport:
+                 reference: ReferenceMeasurements | None = None, served_fidelity: dict | None = None,
+                 mtp_per_prompt: dict | None = None) -> ValidateReport:
     """The report from per-prompt stats keyed (workload, precision, budget): cells and drift rows with
     their intervals; with the reference backend's measurements, also the same-text, fidelity and
-    accuracy sections. Measurements only: the gate judges them."""
+    accuracy sections; with vLLM's, the served fidelity (workload -> per-prompt `PromptFidelity`) and
+    the served MTP drift (per-prompt MTP counts keyed like `per_prompt`). Measurements only: the gate
+    judges them."""
     v, seed = recipe.validation, recipe.validation.seed
     cells = [_cell(w, p, b, stats, seed) for (w, p, b), stats in sorted(per_prompt.items())]
-    drifts = [_drift_row(w, b, per_prompt[(w, "bf16", b)], per_prompt[(w, "mxfp4", b)], seed)
-              for w in v.workloads for b in v.budgets
-              if per_prompt.get((w, "bf16", b)) and per_prompt.get((w, "mxfp4", b))]
-    sections = {}
+    sections: dict = {"drift": _drift_rows(v.workloads, v.budgets, per_prompt, per_prompt, seed)}
     if reference is not None:
-        same = reference.same_text
-        sections = {
-            "same_text_cells": [_cell(w, "mxfp4", b, stats, seed) for (w, b), stats in sorted(same.items())],
-            "same_text_drift": [_drift_row(w, b, per_prompt[(w, "bf16", b)], same[(w, b)], seed)
-                                for w in v.workloads for b in v.budgets if same.get((w, b)) and per_prompt.get((w, "bf16", b))],
-            "fidelity": [_fidelity_row(w, reference.fidelity[w], seed) for w in v.workloads if reference.fidelity.get(w)],
+        same = {(w, "mxfp4", b): stats for (w, b), stats in reference.same_text.items()}
+        own = reference.own_text or per_prompt  # the same-text baseline: bf16 replayed along its own text
+        sections |= {
+            "same_text_cells": [_cell(w, "mxfp4", b, stats, seed) for (w, b), stats in sorted(reference.same_text.items())],
+            "same_text_drift": _drift_rows(v.workloads, v.budgets, own, same, seed),
             "accuracy": [_accuracy_row(w, reference.answers, v.max_tokens, seed) for w in v.workloads
                          if (w, "bf16") in reference.answers and (w, "mxfp4") in reference.answers],
         }
-    return ValidateReport(**meta, cells=cells, drift=drifts, serving=serving, **sections)
+    fidelity = [_fidelity_row(w, reference.fidelity[w], seed, "reference")
+                for w in v.workloads if reference is not None and reference.fidelity.get(w)]
+    fidelity += [_fidelity_row(w, served_fidelity[w], seed, "vllm") for w in v.workloads if (served_fidelity or {}).get(w)]
+    if mtp_per_prompt:
+        sections["mtp_drift"] = _drift_rows(v.workloads, v.budgets, mtp_per_prompt, mtp_per_prompt, seed, "mtp")
+    return ValidateReport(**meta, cells=cells, serving=serving, fidelity=fidelity, **sections)
 
 
-def _fidelity_row(workload: str, prompts: list[PromptFidelity], seed: int) -> FidelityRow:
+def _fidelity_row(workload: str, prompts: list[PromptFidelity], seed: int, measured_by: str) -> FidelityRow:
     positions = [p.positions for p in prompts]
     total = max(sum(positions), 1)
-    return FidelityRow(workload=workload, num_prompts=len(prompts), num_positions=sum(positions),
+    return FidelityRow(workload=workload, measured_by=measured_by, num_prompts=len(prompts),
+                       num_positions=sum(positions),
                        top1_agreement=sum(p.agreements for p in prompts) / total,
                        top1_agreement_ci95=pooled_ratio_ci([p.agreements for p in prompts], positions, seed),
                        kl=sum(p.kl_sum for p in prompts) / total,
-                       kl_ci95=pooled_ratio_ci([p.kl_sum for p in prompts], positions, seed), kl_top_k=TOP_K)
+                       kl_ci95=pooled_ratio_ci([p.kl_sum for p in prompts], positions, seed),
+                       kl_top_k=TOP_K if measured_by == "reference" else SERVED_TOP_K)
 
 
 def _accuracy_row(workload: str, answers: dict, max_tokens: int, seed: int) -> AccuracyRow:
@@ -472,28 +546,34 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     with tempfile.TemporaryDirectory(prefix="mxspec-cells-") as scratch, \
             Progress(*columns, console=console, transient=False) as progress:
         cells = cells or CellRun(CellStore(Path(scratch), logs), {"bf16": "", "mxfp4": "", "drafter": ""})
-        steps = len(v.precisions) * len(v.workloads) * v.num_prompts if "reference" in v.backends else 0
+        replays = v.replays_served_text
+        steps = len(v.precisions) * len(v.workloads) * v.num_prompts if "reference" in v.backends or replays else 0
         if "vllm" in v.backends:
             from pipeline.serving.benchmark import serve_matrix, server_matrix
 
             steps += len(server_matrix(recipe)) * len(recipe.served.workloads) * len(v.concurrency)
         events = CellProgress(progress, steps)
+        run = {"remeasure": cells.remeasure, "events": events, "executor": cells.executor}
         if "reference" in v.backends:
-            reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
-                                          remeasure=cells.remeasure, events=events, executor=cells.executor)
+            reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests, **run)
             per_prompt = reference.own_text
         if "vllm" in v.backends:
-            serving = serve_matrix(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
-                                   remeasure=cells.remeasure, events=events, executor=cells.executor)
+            serving = serve_matrix(recipe, paths, drafter_path, prompts, cells.store, cells.digests, **run)
             if "reference" not in v.backends:
                 per_prompt = serving.per_prompt
+        if replays:  # the reference path along the AR servers' text: same text and fidelity without generating
+            served = {p: serving.fingerprints[ar_serving_cell(p)] for p in v.precisions}
+            reference = measure_reference(recipe, paths, drafter_path, prompts, cells.store, cells.digests,
+                                          served=served, **run)
     meta = {"recipe": recipe.name, "backend": "reference" if "reference" in v.backends else "vllm",
             "target": str(target_path), "drafter": str(drafter_path), "settings": report_settings(recipe),
-            "versions": tool_versions()}
-    report = build_report(recipe, per_prompt, meta, reference=reference)
+            "versions": tool_versions(),
+            "reference_text": "served" if replays else "generated" if "reference" in v.backends else None}
+    report = build_report(recipe, per_prompt, meta, reference=reference,
+                          served_fidelity=serving.fidelity if serving else None,
+                          mtp_per_prompt=serving.mtp_per_prompt if serving else None)
     if serving is not None:
-        mtp_per_prompt = reference.mtp_own_text if reference else {}
-        report = report.model_copy(update={"serving": _served_rows(serving, per_prompt, mtp_per_prompt)})
+        report = report.model_copy(update={"serving": _served_rows(serving, reference)})
     names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])
     measured = (reference.measured if reference is not None else {}) | (serving.measured if serving is not None else {})
     phases: dict[str, float] = {}
@@ -503,11 +583,13 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
     return Validated(report, phases, names, measured)
 
 
-def _served_rows(serving, per_prompt: dict, mtp_per_prompt: dict) -> list[ServedRow]:
-    """Serving rows, each DFlash or MTP row with the acceptance backend's AL on the same prompts beside it
+def _served_rows(serving, reference: ReferenceMeasurements | None) -> list[ServedRow]:
+    """Serving rows, each DFlash or MTP row with the reference path's AL on the same prompts beside it
     (the first `num_prompts` of them, when vLLM serves a subset)."""
     def measured(row: ServedRow) -> float | None:
-        source = {"dflash": per_prompt, "mtp": mtp_per_prompt}.get(row.method, {})
+        if reference is None:
+            return None
+        source = {"dflash": reference.own_text, "mtp": reference.mtp_own_text}.get(row.method, {})
         stats = source.get((row.workload, row.precision, row.budget), [])[: row.num_prompts]
         return AcceptanceStats.pooled(stats).mean_acceptance_length if stats else None
 

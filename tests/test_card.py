@@ -110,7 +110,7 @@ def test_a_reference_run_card_shows_own_and_same_text_acceptance_fidelity_and_ac
     report = read_validate_report(tmp_path / "validate" / "report.json")
     same = report.same_text_row("gsm8k", 8)
     assert f"{same.delta:+.3f} | [{same.ci95[0]:+.3f}, {same.ci95[1]:+.3f}] |" in card, "same-text delta with its interval"
-    assert "### MXFP4 target fidelity on bf16's text" in card and "| gsm8k | 40 | 4000 | 0.900 |" in card
+    assert "### MXFP4 target fidelity on bf16's text" in card and "| gsm8k | reference | 40 | 4000 | 0.900 |" in card
     assert "| gsm8k | 0.800 | 0.700 | -0.100 |" in card, "accuracy, bf16 vs MXFP4, paired"
     assert "Same-text acceptance and the target's top-1 agreement" not in card, "measured, so not in the not-measured list"
 

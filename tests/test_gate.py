@@ -35,7 +35,7 @@ def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 
 
 
 def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, serving=None,
-                 reference: ReferenceMeasurements | None = None):
+                 reference: ReferenceMeasurements | None = None, mtp_accept: tuple[float, float] | None = None):
     """A real validate report (validate.build_report) for gsm8k/mbpp at blocks 4 and 8, bf16 accept 0.7."""
     recipe = Recipe.model_validate({"name": "gate-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
                                     "validation": {"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8],
@@ -49,7 +49,9 @@ def write_report(tmp_path, quant_accept: dict[str, float], num_prompts=40, servi
                                                "drafter": "/d", "settings": report_settings(recipe),
                                                "versions": {}},
                           serving=None if serving is None else [ServedRow(**row) for row in serving],
-                          reference=reference)
+                          reference=reference, mtp_per_prompt=None if mtp_accept is None else {
+                              (w, p, 4): per_prompt_stats(rate, num_prompts, 3, 4)
+                              for w in ("gsm8k", "mbpp") for p, rate in zip(("bf16", "mxfp4"), mtp_accept)})
     path = tmp_path / "validate" / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_artifact(report, path)
@@ -319,3 +321,18 @@ def test_an_export_that_barely_changes_the_target_passes_every_measure(tmp_path,
           f"top-1 agreement {fidelity.top1_agreement:.3f}, KL {fidelity.kl:.3f}")
     assert fidelity.kl < 0.05 and fidelity.top1_agreement > 0.9
     assert result.passed and all(c.verdict != "fail" for c in result.checks), [c.reason for c in result.checks]
+
+
+def test_an_mtp_head_that_collapsed_in_the_mxfp4_checkpoint_fails_its_own_checks(tmp_path):
+    """Served MTP acceptance collapsing to ~1 (a head vLLM loaded wrongly) fails while DFlash holds."""
+    path = write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}, mtp_accept=(0.8, 0.02))
+    result = gate_report(path, Gate(max_position_gap=0.1, max_mtp_acceptance_drop=0.25))
+    checks = {c.name: c for c in result.checks}
+    assert checks["gsm8k B=8"].verdict == "pass" and result.verdict == "fail"
+    mtp = checks["gsm8k MTP B=4"]
+    assert mtp.verdict == "fail" and mtp.reason.startswith("MTP head degraded: served MTP mean AL drop +")
+    assert "served MTP mean AL drop <= 0.25" in summary_markdown(result)
+    held = gate_report(write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}, mtp_accept=(0.8, 0.8)), Gate(max_position_gap=0.1))
+    assert held.checks and {c.name: c.verdict for c in held.checks}["mbpp MTP B=4"] == "pass"
+    unset = gate_report(path, Gate(max_position_gap=0.1, max_mtp_acceptance_drop=None))
+    assert not [c for c in unset.checks if "MTP" in c.name]

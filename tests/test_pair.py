@@ -7,10 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from pipeline.errors import BadInputError
 from pipeline.hashing import HashCache, digest_of
-from pipeline.pair import check_compatibility, check_unchanged
+from pipeline.pair import check_compatibility, check_unchanged, mtp_declaration_problems
 from pipeline.recipe import ModelRef
 from pipeline.resolve import resolve_model
 
@@ -108,3 +109,33 @@ def test_pair_stage_writes_manifest_with_launch_commands(mxspec, tmp_path, tiny)
     mxfp4 = commands[f"mxfp4_dflash_block{pair['block_size']}"]
     assert mxfp4.startswith("VLLM_ROCM_USE_AITER=1 vllm serve ") and "quantize/checkpoint" in mxfp4
     assert '"method": "dflash"' in mxfp4 and str(tiny / "qwen3.5-tiny-dflash") in mxfp4
+
+    # The export declares its MTP head as vLLM reads a Quark config; undeclared or dropped, pair refuses it
+    export = tmp_path / "out" / "quantize" / "checkpoint"
+    source = json.loads((tiny / "qwen3.5-tiny" / "config.json").read_text())
+    assert mtp_declaration_problems(export, source) == []
+    doctored = tmp_path / "doctored"
+    shutil.copytree(export, doctored)
+    config = json.loads((doctored / "config.json").read_text())
+    exclude = config["quantization_config"]["exclude"]
+    config["quantization_config"]["exclude"] = [name for name in exclude if not name.startswith("mtp.")]
+    (doctored / "config.json").write_text(json.dumps(config))
+    problems = mtp_declaration_problems(doctored, source)
+    assert problems and problems[0].startswith("MTP layer mtp.") and "vLLM would build it as MXFP4" in problems[0]
+    for shard in doctored.glob("*.safetensors"):  # a head dropped from the export entirely
+        tensors = load_file(shard)
+        save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, shard, metadata={"format": "pt"})
+    assert "randomly initialised head" in mtp_declaration_problems(doctored, source)[0]
+
+
+def test_vllm_reads_an_exclude_entry_as_mxspec_says_it_does():
+    """`served_as_kept` is vLLM's own matcher: exact names and `re:` regexes; globs exclude nothing."""
+    from vllm.model_executor.layers.quantization.quark.utils import should_ignore_layer
+
+    from pipeline.exclusions import served_as_kept
+
+    exclude = ["mtp.fc", "re:mtp\\.layers\\.0\\.self_attn\\..*", "*mtp*", "lm_head"]
+    for layer in ("mtp.fc", "mtp.layers.0.self_attn.o_proj", "mtp.layers.0.mlp.down_proj", "lm_head",
+                  "model.layers.0.mlp.up_proj", "mtp.fc2"):
+        assert served_as_kept(layer, exclude) == should_ignore_layer(layer, exclude), layer
+    assert not served_as_kept("mtp.layers.0.mlp.down_proj", ["*mtp*"])

