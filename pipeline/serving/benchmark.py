@@ -25,6 +25,7 @@ Where the speed went (`speed_accounting`), per row:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import statistics
 import subprocess
@@ -176,11 +177,14 @@ def _load_scores(path: Path, workload: str, count: int) -> list[list[TopLogprobs
 
 
 def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, prompts: dict[str, list[Prompt]],
-              log: Path, progress=None, bf16_text: Path | None = None, scores: Path | None = None) -> ServedCell:
+              log: Path, progress=None, bf16_text: Path | None = None, scores: Path | None = None,
+              timed=None) -> ServedCell:
     """One server of the matrix: warm-up, then every workload at each concurrency. At concurrency 1
     requests go one at a time with a /metrics snapshot around each, so served acceptance is also known
     per prompt (for drift intervals). An AR server that `scores_fidelity` then scores text: the bf16 one
-    its own (top-k written to `scores`), the MXFP4 one bf16's, read from the bf16 cell's folder `bf16_text`."""
+    its own (top-k written to `scores`), the MXFP4 one bf16's, read from the bf16 cell's folder `bf16_text`
+    (`timed(phase)`: a context that times the scoring, `CellWorkspace.timed`)."""
+    timed = timed or (lambda phase: contextlib.nullcontext())
     v = recipe.served
     rows, tokens, prompt_tokens, per_prompt_stats = [], {}, {}, {}
     spec = server_spec(recipe, server, model, drafter)
@@ -211,14 +215,16 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
         cell = ServedCell(label=server.label, rows=rows, tokens=tokens, prompt_tokens=prompt_tokens,
                           per_prompt=per_prompt_stats)
         if scores is not None:  # the bf16 AR server: its own text is the reference
-            _save_scores({w: _score_continuations(running, served_texts(cell, w), recipe) for w in prompts}, scores)
+            with timed("score own text"):
+                _save_scores({w: _score_continuations(running, served_texts(cell, w), recipe) for w in prompts}, scores)
         elif bf16_text is not None:  # the MXFP4 AR server scores bf16's text
             bf16 = read_artifact(bf16_text / RESULT_FILE, ServedCell, "run validate again")
             fidelity = {}
             for workload in prompts:
                 texts = served_texts(bf16, workload)
                 reference = _load_scores(bf16_text / SCORES_FILE, workload, len(texts))
-                observed = _score_continuations(running, texts, recipe)
+                with timed("score bf16's text"):
+                    observed = _score_continuations(running, texts, recipe)
                 fidelity[workload] = [compare_served(r, o) for r, o in zip(reference, observed, strict=True)]
             cell = cell.model_copy(update={"fidelity": fidelity})
     return cell
@@ -250,7 +256,7 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
             log = work.logs / f"{server.label}.log"
             own_scores = work.out / SCORES_FILE if scoring and server.precision == "bf16" else None
             result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, work.step,
-                               bf16_text=work.inputs[after[0]] if after else None, scores=own_scores)
+                               bf16_text=work.inputs[after[0]] if after else None, scores=own_scores, timed=work.timed)
             write_artifact(result, work.out / RESULT_FILE)
             shutil.copyfile(log, work.out / SERVER_LOG)
 

@@ -172,3 +172,24 @@ def test_the_mxfp4_export_keeps_the_mtp_head_bf16_and_the_report_has_every_serve
     config = json.loads((out / "quantize" / "checkpoint" / "config.json").read_text())
     excluded = json.dumps(config["quantization_config"].get("exclude", []))
     assert "mtp.fc" in excluded
+
+
+def test_the_report_has_served_mtp_drift_and_fidelity_by_the_served_kernels_and_the_reference_path(served):
+    """MTP drift rows (bf16 head vs the MXFP4 checkpoint's, served) where MTP is served at both precisions;
+    fidelity measured both ways, agreeing: top-1 agreement within each other's interval, KL intervals
+    overlapping. The reference path reads its own float32 greedy text, vLLM bf16's served text."""
+    report, out, precisions, methods, _ = served
+    expected = {("gsm8k", BUDGET)} if "mtp" in methods else set()
+    assert {(d["workload"], d["budget"]) for d in report["mtp_drift"]} == expected
+    for row in report["mtp_drift"]:
+        assert row["method"] == "mtp" and row["num_prompts"] == 2
+        print(f"MTP drift {row['delta']:+.3f} {row['ci95']}")
+    rows = {f["measured_by"]: f for f in report["fidelity"]}
+    assert set(rows) == {"vllm", "reference"}
+    for one, other in ((rows["vllm"], rows["reference"]), (rows["reference"], rows["vllm"])):
+        low, high = other["top1_agreement_ci95"]
+        assert low <= one["top1_agreement"] <= high, (one, other)
+    assert rows["vllm"]["kl_ci95"][0] <= rows["reference"]["kl_ci95"][1]
+    assert rows["reference"]["kl_ci95"][0] <= rows["vllm"]["kl_ci95"][1]
+    for by, f in rows.items():
+        print(f"{by}: top-1 {f['top1_agreement']:.3f} {f['top1_agreement_ci95']}, KL {f['kl']:.4f} {f['kl_ci95']}")
