@@ -6,7 +6,8 @@ lies in [1, B]. Over many steps:
   per-position acceptance rate i    = P(accepted >= i + 1) = accepted_at_position[i] / drafts
 and therefore mean acceptance length = 1 + sum of the per-position rates. vLLM counts the same
 things in `vllm:spec_decode_num_drafts`, `..._num_accepted_tokens` and
-`..._num_accepted_tokens_per_pos{position=i}`.
+`..._num_accepted_tokens_per_pos{position=i}`, and per request in a response's
+`metrics.speculative_decoding.acceptance_histogram` (steps by accepted drafts).
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ class AcceptanceStats:
         drafts = int(round(total(VLLM_DRAFTS)))
         at_position = tuple(int(round(total(VLLM_ACCEPTED_PER_POS, i))) for i in range(num_speculative_tokens))
         return cls(num_speculative_tokens, drafts, at_position)
+
+    @classmethod
+    def from_vllm_request(cls, metrics: dict, num_speculative_tokens: int) -> AcceptanceStats:
+        """From one response's `metrics.speculative_decoding` (vLLM's per-request metrics):
+        `acceptance_histogram[j]` = steps that accepted exactly j drafts."""
+        histogram = list(metrics["acceptance_histogram"])
+        if len(histogram) != num_speculative_tokens + 1:
+            raise ValueError(f"a histogram of {len(histogram)} bins for {num_speculative_tokens} speculative tokens")
+        at_position = tuple(sum(histogram[i + 1 :]) for i in range(num_speculative_tokens))
+        return cls(num_speculative_tokens, sum(histogram), at_position)
 
     @property
     def accepted(self) -> int:

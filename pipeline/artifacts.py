@@ -113,6 +113,7 @@ class DriftRow(_Artifact):
     mean_position_gap: Rate
     position_drop_ci95: list[Interval]
     num_prompts: Annotated[int, Field(ge=1)]
+    concurrency: Annotated[int, Field(ge=1)] | None = None  # served rows at one concurrency (`served_drift`)
 
 
 MEASURED_BY = {"vllm": "the served kernels", "reference": "the reference path"}  # FidelityRow.measured_by, in words
@@ -195,6 +196,10 @@ class ValidateReport(_Artifact):
     fidelity: list[FidelityRow] = []  # per workload, one row per way it was measured
     accuracy: list[AccuracyRow] = []
     mtp_drift: list[DriftRow] = []  # served MTP acceptance, MXFP4 minus bf16, paired by prompt at concurrency 1
+    mtp_same_text_drift: list[DriftRow] = []  # the MXFP4 checkpoint's unquantized head on bf16's text, replayed
+    # Served acceptance above concurrency 1, paired by prompt through vLLM's per-request metrics (DFlash and MTP)
+    served_drift: list[DriftRow] = []
+    per_request_acceptance: bool | None = None  # whether vLLM reported them; None: vLLM did not serve
 
     def same_text_row(self, workload: str, budget: int) -> DriftRow | None:
         return next((r for r in self.same_text_drift if (r.workload, r.budget) == (workload, budget)), None)

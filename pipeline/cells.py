@@ -41,6 +41,9 @@ TIMING_FILE = "timing.json"  # how long it took and where: kept beside the cell,
 CELL_SCHEMA = "mxspec.cell/1"
 
 
+SCORE_CELL = "score-mxfp4"  # an MXFP4 AR server scoring the bf16 AR server's text (served fidelity)
+
+
 def serving_cell_name(label: str) -> str:
     """e.g. 'serve-mxfp4-dflash-b8' for the server labelled 'mxfp4-dflash-b8'."""
     return f"serve-{label}"

@@ -52,7 +52,8 @@ def gate_report(report_path: Path, thresholds: Gate) -> GateVerdict:
     report = read_report(report_path)
     checks = [_acceptance_check(row, thresholds, report) for row in report.drift]
     if thresholds.max_mtp_acceptance_drop is not None:
-        checks += [_mtp_check(row, thresholds) for row in report.mtp_drift]
+        cells = dict.fromkeys((r.workload, r.budget) for r in report.mtp_drift + report.mtp_same_text_drift)
+        checks += [_mtp_check(workload, budget, thresholds, report) for workload, budget in cells]
     if thresholds.min_throughput_lift is not None:
         checks += _throughput_checks(report.serving or [], thresholds.min_throughput_lift)
     verdict = max((c.verdict for c in checks), key=SEVERITY.__getitem__)
@@ -81,6 +82,7 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
     A cell whose own-text acceptance did not fail while fidelity fails is 'target degraded': its text may
     have become easier to draft because the target broke."""
     measures = [_own_text(row, gate)]
+    measures += [_own_text(r, gate) for r in _higher_concurrency(report, "dflash", row.workload, row.budget)]
     same = report.same_text_row(row.workload, row.budget)
     if same is not None:
         drop_ci = drop_interval(same.ci95)
@@ -113,7 +115,7 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
     verdict = max((m.verdict for m in measures), key=SEVERITY.__getitem__)
     failed = {m.name for m in measures if m.verdict == "fail"}
     cause = ""
-    own_text_held = measures[0].verdict != "fail"
+    own_text_held = "own text" not in failed
     if own_text_held and failed & {"fidelity", "accuracy"}:
         cause = "target degraded: "
     elif own_text_held and "same text" in failed:
@@ -133,28 +135,48 @@ def _acceptance_check(row: DriftRow, gate: Gate, report: ValidateReport) -> Gate
                      reason=cause + "; ".join(m.detail for m in measures) + unmeasured, measured=measured)
 
 
-def _mtp_check(row: DriftRow, gate: Gate) -> GateCheck:
-    """Served MTP acceptance of the MXFP4 checkpoint's head against bf16's: a head that lost its weights or
-    its declarations collapses to AL ~1 (users' reports), which own-text DFlash rows never show."""
-    drop_ci = drop_interval(row.ci95)
-    verdict = decide(drop_ci, gate.max_mtp_acceptance_drop)
-    reason = (f"served MTP mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
-              f"{gate.max_mtp_acceptance_drop}{_over(-row.delta, gate.max_mtp_acceptance_drop, verdict)} -> {verdict}")
-    return GateCheck(name=f"{row.workload} MTP B={row.budget}", workload=row.workload, kind="acceptance", verdict=verdict,
-                     reason=("MTP head degraded: " if verdict == "fail" else "") + reason,
-                     measured={"delta": row.delta, "ci95": list(row.ci95), "num_prompts": row.num_prompts})
+def _higher_concurrency(report: ValidateReport, method: str, workload: str, budget: int) -> list[DriftRow]:
+    """The cell's served rows above concurrency 1 (vLLM's per-request metrics), lowest first."""
+    return sorted((r for r in report.served_drift if (r.method, r.workload, r.budget) == (method, workload, budget)),
+                  key=lambda r: r.concurrency)
+
+
+def _mtp_check(workload: str, budget: int, gate: Gate, report: ValidateReport) -> GateCheck:
+    """The MXFP4 checkpoint's MTP head against bf16's for one (workload, steps + 1): served at each
+    concurrency (a head that lost its weights or its declarations collapses to AL ~1, users' reports,
+    which DFlash rows never show) and replayed along bf16's text (the head with the text held fixed)."""
+    def row(rows: list[DriftRow]) -> list[DriftRow]:
+        return [r for r in rows if (r.workload, r.budget) == (workload, budget)]
+
+    rows = [("served", r) for r in row(report.mtp_drift)]
+    rows += [(f"served at concurrency {r.concurrency}", r) for r in _higher_concurrency(report, "mtp", workload, budget)]
+    rows += [("same-text", r) for r in row(report.mtp_same_text_drift)]
+    details, verdicts = [], []
+    for what, r in rows:
+        drop_ci = drop_interval(r.ci95)
+        verdicts.append(decide(drop_ci, gate.max_mtp_acceptance_drop))
+        details.append(f"{what} MTP mean AL drop {-r.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+                       f"{gate.max_mtp_acceptance_drop}{_over(-r.delta, gate.max_mtp_acceptance_drop, verdicts[-1])} "
+                       f"-> {verdicts[-1]}")
+    verdict = max(verdicts, key=SEVERITY.__getitem__)
+    first = rows[0][1]
+    return GateCheck(name=f"{workload} MTP B={budget}", workload=workload, kind="acceptance", verdict=verdict,
+                     reason=("MTP head degraded: " if verdict == "fail" else "") + "; ".join(details),
+                     measured={"delta": first.delta, "ci95": list(first.ci95), "num_prompts": first.num_prompts})
 
 
 def _own_text(row: DriftRow, gate: Gate) -> _Measure:
-    """Mean-AL drop and the worst per-position drop, each precision on its own greedy text."""
+    """Mean-AL drop and the worst per-position drop, each precision on its own greedy text (at the
+    row's concurrency, when it is a served row above 1)."""
     drop_ci = drop_interval(row.ci95)
     al_verdict = decide(drop_ci, gate.max_acceptance_length_drop)
     position_verdicts = [decide(tuple(ci), gate.max_position_gap) for ci in row.position_drop_ci95]
     worst = max(range(len(position_verdicts)), key=lambda i: (SEVERITY[position_verdicts[i]], row.position_drop_ci95[i][1]))
     verdict = max(al_verdict, position_verdicts[worst], key=SEVERITY.__getitem__)
     low, high = row.position_drop_ci95[worst]
+    at = f"at concurrency {row.concurrency}: " if row.concurrency else ""
     return _Measure("own text", verdict, (
-        f"mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
+        f"{at}mean AL drop {-row.delta:+.3f} (95% CI {drop_ci[0]:+.3f}..{drop_ci[1]:+.3f}) vs max "
         f"{gate.max_acceptance_length_drop}{_over(-row.delta, gate.max_acceptance_length_drop, al_verdict)} -> {al_verdict}; "
         f"worst position {worst + 1} drop 95% CI {low:+.3f}..{high:+.3f} vs max {gate.max_position_gap} -> "
         f"{position_verdicts[worst]}"))

@@ -86,24 +86,30 @@ def mtp_drafts(head: MtpHead, hooks: TargetHooks, tokens: torch.Tensor, final_hi
     hidden states, so they are exactly a teacher-forced pass. Draft 1 is row anchor-1's output (the
     token at `anchor` is the last bonus); draft k reads draft k-1 and the head's own output that made
     it, at the next position, attending to those rows and to the chain before it."""
-    embeds, hidden = hooks.embed(tokens[1 : anchor + 1].long())[None], final_hidden[:anchor][None]
+    weight = next(head.parameters())  # the head may sit elsewhere than the target's embedding and lm_head
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return hooks.embed(ids.long().to(hooks.embed.weight.device)).to(weight.device, weight.dtype)
+
+    embeds, hidden = embed(tokens[1 : anchor + 1])[None], final_hidden[:anchor][None].to(weight.device, weight.dtype)
     drafts = []
     for _ in range(num_drafts):
-        out = head(embeds, hidden, torch.arange(embeds.shape[1])[None])[:, -1:]
-        draft = hooks.lm_head(out)[0, -1].argmax()
-        drafts.append(draft)
-        embeds = torch.cat([embeds, hooks.embed(draft[None])[None]], dim=1)
+        out = head(embeds, hidden, torch.arange(embeds.shape[1], device=weight.device)[None])[:, -1:]
+        draft = hooks.lm_head(out.to(hooks.lm_head.weight.device, hooks.lm_head.weight.dtype))[0, -1].argmax()
+        drafts.append(draft.cpu())
+        embeds = torch.cat([embeds, embed(draft[None])[None]], dim=1)
         hidden = torch.cat([hidden, out], dim=1)
     return torch.stack(drafts)
 
 
 def replay_mtp(head: MtpHead, hooks: TargetHooks, tokens: torch.Tensor, final_hidden: torch.Tensor, prompt_len: int,
-               block_size: int, end: int | None = None) -> Replay:
+               block_size: int, end: int | None = None, predictions: torch.Tensor | None = None) -> Replay:
     """The MTP head's acceptance along `tokens[prompt_len:end]` (`speculative.accept_along`), B-1 chained
-    drafts per step, from the target's final hidden states over `tokens` (`speculative.TargetPass`)."""
+    drafts per step, from the target's final hidden states over `tokens` (`speculative.TargetPass`);
+    `predictions`: another target wrote `tokens` (same-text replay, as `accept_along` says)."""
     tokens = torch.as_tensor(tokens)
     return accept_along(lambda anchor: mtp_drafts(head, hooks, tokens, final_hidden, anchor, block_size - 1),
-                        tokens, prompt_len, block_size, end)
+                        tokens, prompt_len, block_size, end, predictions)
 
 
 @torch.no_grad()

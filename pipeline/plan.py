@@ -3,6 +3,8 @@
 A cell is a unit of validate's work that measures and nothing else (`pipeline.cells`):
   serving cell    one vLLM server of the matrix (precision x method x budget), serving every workload
                   at every concurrency; it holds `serving.tensor_parallel_size` GPUs;
+  score cell      `score-mxfp4`: an MXFP4 AR server that scores the bf16 AR server's text (served
+                  fidelity), after that server; as many GPUs;
   reference cell  one (precision, workload) of the reference backend; the MXFP4 cell needs the bf16
                   cell of its workload (it verifies bf16's text), so it starts after it; one GPU.
   replay cell     the same along vLLM's served AR text (a vLLM-only study): after its precision's AR
@@ -13,7 +15,8 @@ The cost model is arithmetic over the recipe's `[plan]` rates, which are estimat
              num_prompts x output_tokens_per_prompt / (tok_s[method] x mxfp4_speedup? x min(c, batch_gain))
   reference  num_prompts x max_tokens / reference_tok_s[precision]
   replay     num_prompts x output_tokens_per_prompt / replay_tok_s[precision]
-  AR servers of a vLLM-only study also score bf16's text: + workloads x num_prompts x output_tokens / prefill_tok_s
+  scoring   the bf16 AR server and the score-mxfp4 cell (an MXFP4 AR server, after it) each prefill bf16's
+             text once: workloads x num_prompts x output_tokens / prefill_tok_s (+ server_start_s for score-mxfp4)
 A schedule places cells longest first, each on the GPUs of one node that free up earliest (after the
 cells it depends on), which is what a Ray cluster with one task per cell and GPU reservations does.
 """
@@ -22,9 +25,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.cells import reference_cell_name, replay_cell_name, serving_cell_name
+from pipeline.cells import SCORE_CELL, reference_cell_name, replay_cell_name, serving_cell_name
 from pipeline.recipe import Recipe
-from pipeline.serving.benchmark import ServerCell, scores_fidelity, server_matrix
+from pipeline.serving.benchmark import ServerCell, measures_served_fidelity, server_matrix
 
 
 class PlannedCell(BaseModel):
@@ -76,15 +79,20 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
     if "vllm" in v.backends:
         served = recipe.served
         out_tokens = rates.output_tokens_per_prompt or v.max_tokens
+        scoring_s = len(served.workloads) * served.num_prompts * out_tokens / rates.prefill_tok_s
         for server in server_matrix(recipe):
             single = rates.tok_s[server.method] * (rates.mxfp4_speedup if server.precision == "mxfp4" else 1.0)
             serving = sum(served.num_prompts * out_tokens / (single * min(c, rates.batch_gain)) for c in v.concurrency)
-            scoring = served.num_prompts * out_tokens / rates.prefill_tok_s if scores_fidelity(server, recipe) else 0.0
-            after = (_ar_cell("bf16"),) if scoring and server.precision == "mxfp4" else ()
+            name = serving_cell_name(server.label)
+            scoring = scoring_s if name == _ar_cell("bf16") and measures_served_fidelity(recipe) else 0.0
             cells.append(PlannedCell(
-                name=serving_cell_name(server.label), kind="serving", gpus=recipe.serving.tensor_parallel_size,
-                output_tokens=len(served.workloads) * len(v.concurrency) * served.num_prompts * out_tokens, after=after,
-                estimate_s=rates.server_start_s + len(served.workloads) * (serving + scoring)))
+                name=name, kind="serving", gpus=recipe.serving.tensor_parallel_size,
+                output_tokens=len(served.workloads) * len(v.concurrency) * served.num_prompts * out_tokens,
+                estimate_s=rates.server_start_s + len(served.workloads) * serving + scoring))
+        if measures_served_fidelity(recipe):
+            cells.append(PlannedCell(name=SCORE_CELL, kind="serving", gpus=recipe.serving.tensor_parallel_size,
+                                     output_tokens=0, after=(_ar_cell("bf16"),),
+                                     estimate_s=rates.server_start_s + scoring_s))
     if v.replays_served_text:
         out_tokens = rates.output_tokens_per_prompt or v.max_tokens
         for precision in ("bf16", "mxfp4"):

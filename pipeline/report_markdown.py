@@ -115,12 +115,30 @@ def same_text_tables(report: ValidateReport) -> list[str]:
                          f"[{f.kl_ci95[0]:.3f}, {f.kl_ci95[1]:.3f}] | {f.kl_top_k} |")
         lines += ["", ("KL keeps bf16's top-k tokens (those the MXFP4 side also reports, through vLLM) and merges the "
                        "rest into one outcome: a lower bound of the full KL.")]
-    if report.mtp_drift:
-        lines += ["", "## MTP head: bf16 vs MXFP4 checkpoint (served, concurrency 1)", "",
-                  "| Workload | steps + 1 | Δ mean AL | 95% CI | max per-position gap | prompts |", "|---|---|---|---|---|---|"]
-        for d in report.mtp_drift:
-            lines.append(f"| {d.workload} | {d.budget} | {d.delta:+.3f} | [{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] | "
-                         f"{d.max_position_gap:.3f} | {d.num_prompts} |")
+    if report.mtp_drift or report.mtp_same_text_drift:
+        lines += ["", "## MTP head: bf16 vs the MXFP4 checkpoint's", "",
+                  ("Served: each precision's MTP server at concurrency 1, on its own text. Same text: the MXFP4 "
+                   "checkpoint's head (unquantized) replayed along bf16's text with the MXFP4 target verifying, "
+                   "against bf16's head on its own."), "",
+                  "| Workload | measured | steps + 1 | Δ mean AL | 95% CI | max per-position gap | prompts |",
+                  "|---|---|---|---|---|---|---|"]
+        for how, rows in (("served", report.mtp_drift), ("same text", report.mtp_same_text_drift)):
+            for d in rows:
+                lines.append(f"| {d.workload} | {how} | {d.budget} | {d.delta:+.3f} | [{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] | "
+                             f"{d.max_position_gap:.3f} | {d.num_prompts} |")
+    batched = any(r.concurrency > 1 and r.method != "ar" for r in report.serving or [])
+    if batched:
+        lines += ["", "## Served acceptance above concurrency 1, paired by prompt", ""]
+        if not report.per_request_acceptance:
+            lines.append("This vLLM reports no per-request acceptance: above concurrency 1 served acceptance comes from "
+                         "the server's counters, pooled over prompts, with no paired interval.")
+        else:
+            lines += ["From vLLM's per-request metrics (`metrics.speculative_decoding`), MXFP4 minus bf16.", "",
+                      "| Workload | method | block | concurrency | Δ mean AL | 95% CI | max per-position gap | prompts |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for d in report.served_drift:
+                lines.append(f"| {d.workload} | {d.method} | {d.budget} | {d.concurrency} | {d.delta:+.3f} | "
+                             f"[{d.ci95[0]:+.3f}, {d.ci95[1]:+.3f}] | {d.max_position_gap:.3f} | {d.num_prompts} |")
     if report.accuracy:
         lines += ["", "## Task accuracy (answers checked without running code)", "",
                   "| Workload | bf16 | MXFP4 | Δ | 95% CI (paired) | finished bf16 / MXFP4 | note |", "|---|---|---|---|---|---|---|"]

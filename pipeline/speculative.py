@@ -180,6 +180,7 @@ class TargetPass:
     replays: dict[int, Replay]
     logprobs: torch.Tensor  # [positions, vocab], float32
     final_hidden: torch.Tensor  # [T, H] float32: the target's last hidden states (after its final norm)
+    predictions: torch.Tensor | None = None  # [T] its greedy next token at every position (same-text passes)
 
 
 @torch.no_grad()
@@ -200,7 +201,7 @@ def replay_pass(target, drafter: DFlashDrafter, tokens, prompt_len: int, block_s
                for b in block_sizes}
     stop = sequence.shape[0] if end is None else end
     return TargetPass(replays, torch.log_softmax(logits[prompt_len - 1 : stop - 1], dim=-1),
-                      out.hidden_states[-1][0].float().cpu())
+                      out.hidden_states[-1][0].float().cpu(), predictions)
 
 
 @torch.no_grad()

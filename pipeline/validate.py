@@ -153,6 +153,7 @@ class ReferenceMeasurements:
     own_text: dict = field(default_factory=dict)  # (workload, precision, budget) -> [AcceptanceStats]
     mtp_own_text: dict = field(default_factory=dict)  # the same for the target's MTP head, where it has one
     same_text: dict = field(default_factory=dict)  # (workload, budget) -> [AcceptanceStats]: MXFP4 on bf16's text
+    mtp_same_text: dict = field(default_factory=dict)  # the same for the MXFP4 checkpoint's MTP head
     fidelity: dict = field(default_factory=dict)  # workload -> [PromptFidelity]
     answers: dict = field(default_factory=dict)  # (workload, precision) -> [Answer]
     cells: list = field(default_factory=list)  # names of the cells these measurements come from
@@ -166,6 +167,8 @@ class ReferenceMeasurements:
             self.mtp_own_text[(w, p, budget)] = list(stats)
         for budget, stats in cell.same_text.items():
             self.same_text[(w, budget)] = list(stats)
+        for budget, stats in cell.mtp_same_text.items():
+            self.mtp_same_text[(w, budget)] = list(stats)
         if cell.fidelity:
             self.fidelity[w] = list(cell.fidelity)
         if cell.answers:
@@ -186,11 +189,12 @@ class ReferenceCellResult(BaseModel):
     mtp_own_text: dict[int, list[AcceptanceStats]] = {}  # the MTP head's, with "mtp" in the methods and a head
     answers: list[Answer] = []
     same_text: dict[int, list[AcceptanceStats]] = {}  # MXFP4 on bf16's text
+    mtp_same_text: dict[int, list[AcceptanceStats]] = {}  # the MXFP4 checkpoint's (unquantized) MTP head, the same
     fidelity: list[PromptFidelity] = []
     prompt_lens: list[int] = []  # of the texts kept (bf16)
 
 
-REFERENCE_CELL_VERSION = 2  # bump when a reference cell measures differently for the same inputs
+REFERENCE_CELL_VERSION = 3  # bump when a reference cell measures differently for the same inputs
 TEXTS_FILE = "texts.safetensors"
 
 
@@ -261,7 +265,8 @@ def reference_cells(recipe: Recipe, paths: dict[str, Path], drafter_path: Path, 
         if not replays_mtp:
             return None
         if precision not in loaded:
-            loaded[precision] = load_mtp_head(paths[precision])
+            head = load_mtp_head(paths[precision])
+            loaded[precision] = head.to(device) if head is not None else None
         return loaded[precision]
 
     common = {"version": REFERENCE_CELL_VERSION, "drafter": digests["drafter"], "budgets": list(v.budgets),
@@ -316,6 +321,7 @@ def _measure_reference_cell(models: _CellModels, precision: str, workload: str, 
     own_text: dict[int, list] = {b: [] for b in v.budgets}
     mtp_own_text: dict[int, list] = {b: [] for b in v.budgets} if head is not None else {}
     same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts else {}
+    mtp_same_text: dict[int, list] = {b: [] for b in v.budgets} if bf16_texts and head is not None else {}
     answers, fidelity, kept, prompt_lens = [], [], {}, []
     hooks = TargetHooks.of(target)
     for i, (prompt, (tokens, prompt_len)) in enumerate(zip(items, texts, strict=True)):
@@ -342,12 +348,18 @@ def _measure_reference_cell(models: _CellModels, precision: str, workload: str, 
                 for budget, replay in same.replays.items():
                     same_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
                 fidelity.append(compare(text.reference, same.logprobs))
+            if mtp_same_text:
+                with work.timed(f"{precision} MTP on bf16's text"):
+                    for budget in v.budgets:
+                        replay = replay_mtp(head, hooks, text.tokens, same.final_hidden, text.prompt_len, budget,
+                                            predictions=same.predictions)
+                        mtp_same_text[budget].append(AcceptanceStats.from_lengths(replay.acceptance_lengths, budget))
         work.step()
     if kept:
         save_file(kept, str(work.out / TEXTS_FILE))
     return ReferenceCellResult(precision=precision, workload=workload, own_text=own_text, mtp_own_text=mtp_own_text,
-                               answers=answers,
-                               same_text=same_text, fidelity=fidelity, prompt_lens=prompt_lens)
+                               answers=answers, same_text=same_text, mtp_same_text=mtp_same_text, fidelity=fidelity,
+                               prompt_lens=prompt_lens)
 
 
 def _read_texts(folder: Path) -> list[_Bf16Text]:
@@ -415,12 +427,13 @@ def _drift_rows(workloads, budgets, base: dict, quant: dict, seed: int, method: 
 
 def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[ServedRow] | None = None,
                  reference: ReferenceMeasurements | None = None, served_fidelity: dict | None = None,
-                 mtp_per_prompt: dict | None = None) -> ValidateReport:
+                 mtp_per_prompt: dict | None = None, per_request: dict | None = None) -> ValidateReport:
     """The report from per-prompt stats keyed (workload, precision, budget): cells and drift rows with
     their intervals; with the reference backend's measurements, also the same-text, fidelity and
-    accuracy sections; with vLLM's, the served fidelity (workload -> per-prompt `PromptFidelity`) and
-    the served MTP drift (per-prompt MTP counts keyed like `per_prompt`). Measurements only: the gate
-    judges them."""
+    accuracy sections; with vLLM's, the served fidelity (workload -> per-prompt `PromptFidelity`), the
+    served MTP drift (per-prompt MTP counts keyed like `per_prompt`) and, from vLLM's per-request
+    metrics (keyed (method, workload, precision, budget, concurrency)), the served drift above
+    concurrency 1. Measurements only: the gate judges them."""
     v, seed = recipe.validation, recipe.validation.seed
     cells = [_cell(w, p, b, stats, seed) for (w, p, b), stats in sorted(per_prompt.items())]
     sections: dict = {"drift": _drift_rows(v.workloads, v.budgets, per_prompt, per_prompt, seed)}
@@ -438,7 +451,21 @@ def build_report(recipe: Recipe, per_prompt: dict, meta: dict, serving: list[Ser
     fidelity += [_fidelity_row(w, served_fidelity[w], seed, "vllm") for w in v.workloads if (served_fidelity or {}).get(w)]
     if mtp_per_prompt:
         sections["mtp_drift"] = _drift_rows(v.workloads, v.budgets, mtp_per_prompt, mtp_per_prompt, seed, "mtp")
+    if reference is not None and reference.mtp_same_text:
+        same = {(w, "mxfp4", b): stats for (w, b), stats in reference.mtp_same_text.items()}
+        sections["mtp_same_text_drift"] = _drift_rows(v.workloads, v.budgets, reference.mtp_own_text, same, seed, "mtp")
+    if per_request is not None:
+        sections["per_request_acceptance"] = bool(per_request)
+        sections["served_drift"] = [row.model_copy(update={"concurrency": c}) for method in ("dflash", "mtp")
+                                    for c in v.concurrency if c > 1 for row in _served_drift(per_request, method, c, v, seed)]
     return ValidateReport(**meta, cells=cells, serving=serving, fidelity=fidelity, **sections)
+
+
+def _served_drift(per_request: dict, method: str, concurrency: int, v, seed: int) -> list[DriftRow]:
+    """Drift rows of one method at one concurrency from per-request counts keyed (method, workload,
+    precision, budget, concurrency)."""
+    at = {(w, p, b): stats for (m, w, p, b, c), stats in per_request.items() if (m, c) == (method, concurrency)}
+    return _drift_rows(v.workloads, v.budgets, at, at, seed, method)
 
 
 def _fidelity_row(workload: str, prompts: list[PromptFidelity], seed: int, measured_by: str) -> FidelityRow:
@@ -549,9 +576,10 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
         replays = v.replays_served_text
         steps = len(v.precisions) * len(v.workloads) * v.num_prompts if "reference" in v.backends or replays else 0
         if "vllm" in v.backends:
-            from pipeline.serving.benchmark import serve_matrix, server_matrix
+            from pipeline.serving.benchmark import measures_served_fidelity, serve_matrix, server_matrix
 
             steps += len(server_matrix(recipe)) * len(recipe.served.workloads) * len(v.concurrency)
+            steps += len(recipe.served.workloads) if measures_served_fidelity(recipe) else 0
         events = CellProgress(progress, steps)
         run = {"remeasure": cells.remeasure, "events": events, "executor": cells.executor}
         if "reference" in v.backends:
@@ -571,7 +599,8 @@ def validate(recipe: Recipe, target_path: Path, quantized_path: Path, drafter_pa
             "reference_text": "served" if replays else "generated" if "reference" in v.backends else None}
     report = build_report(recipe, per_prompt, meta, reference=reference,
                           served_fidelity=serving.fidelity if serving else None,
-                          mtp_per_prompt=serving.mtp_per_prompt if serving else None)
+                          mtp_per_prompt=serving.mtp_per_prompt if serving else None,
+                          per_request=serving.per_request if serving else None)
     if serving is not None:
         report = report.model_copy(update={"serving": _served_rows(serving, reference)})
     names = (reference.cells if reference is not None else []) + (serving.cells if serving is not None else [])

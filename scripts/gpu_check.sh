@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A few minutes on one CUDA or ROCm GPU: the tiny Qwen3.5 recipe (dense, and MoE quantized file to file)
 # and the reference recipe through validate, served by the GPU build of vLLM (MXFP4 as vLLM runs it on
-# that GPU: native kernels where it has them, Quark's emulation otherwise), next to the reference backend.
+# that GPU: native kernels where it has them, Quark's emulation otherwise), next to the reference backend;
+# and the tiny dense recipe served by vLLM alone, as the MI355X recipes run (fidelity by the GPU's kernels,
+# the same-text replay on the GPU).
 # For whenever a GPU is lent; nothing in the project depends on it.
 #
 #   bash scripts/gpu_check.sh [OUT]      # default OUT: runs/gpu-check
@@ -46,13 +48,19 @@ for name, budget in (("qwen3.5-tiny-cpu", 4), ("reference-cpu", 8)):
         moe = moe.replace("/models/tiny/qwen3.5-tiny-dflash\"", "/models/tiny/qwen3.5-moe-tiny-dflash\"")
         moe = moe.replace('mode = "in_memory"', 'mode = "file_to_file"').replace("tiny-gpu-check", "moe-tiny-gpu-check")
         (out / "qwen3.5-moe-tiny-gpu.toml").write_text(moe)
+        # vLLM alone, as the MI355X recipes run: the AR servers score bf16's text, the replay cells run on the GPU
+        alone = text.replace('backends = ["reference", "vllm"]', 'backends = ["vllm"]')
+        alone = alone.replace("tiny-gpu-check", "tiny-vllm-only-gpu-check")
+        assert alone != text, "the tiny recipe's backends line moved"
+        (out / "qwen3.5-tiny-vllm-only-gpu.toml").write_text(alone)
 EOF
 
-for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/qwen3.5-moe-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
+RECIPES=("$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/qwen3.5-moe-tiny-gpu.toml "$OUT"/qwen3.5-tiny-vllm-only-gpu.toml "$OUT"/reference-gpu.toml)
+for recipe in "${RECIPES[@]}"; do
   "$PYTHON" -m pipeline.cli recipe check "$recipe" > /dev/null
 done
 if [[ $DRY_RUN == 1 ]]; then
-  echo "recipes written and checked: $OUT/qwen3.5-tiny-gpu.toml $OUT/qwen3.5-moe-tiny-gpu.toml $OUT/reference-gpu.toml"
+  echo "recipes written and checked: ${RECIPES[*]}"
   exit 0
 fi
 
@@ -68,12 +76,12 @@ print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_devi
 EOF
 
 status=0
-for recipe in "$OUT"/qwen3.5-tiny-gpu.toml "$OUT"/qwen3.5-moe-tiny-gpu.toml "$OUT"/reference-gpu.toml; do
+for recipe in "${RECIPES[@]}"; do
   name=$(basename "$recipe" .toml)
   echo "== $name"
   SECONDS=0
   code=0
-  "$PYTHON" -m pipeline.cli run "$recipe" --out "$OUT/$name" --until validate || code=$?
+  "$PYTHON" -m pipeline.cli run "$recipe" --out "$OUT/$name" --until gate || code=$?  # exit 1: the gate did not pass
   [[ $code == 0 ]] || status=$code
   echo "$name: ${SECONDS} s, exit $code; report: $OUT/$name/validate/report.md"
   if [[ -f "$OUT/$name/validate/report.md" ]]; then

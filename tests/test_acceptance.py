@@ -45,6 +45,14 @@ def test_from_vllm_counter_deltas():
     assert stats.mean_acceptance_length == pytest.approx(1 + 7 / 4)
 
 
+def test_a_per_request_histogram_counts_as_the_same_steps_would():
+    """vLLM's `acceptance_histogram[j]` = steps that accepted exactly j drafts: lengths 1, 4, 2, 4 at B=4."""
+    metrics = {"acceptance_histogram": [1, 1, 0, 2], "num_spec_steps": 4, "num_accepted_draft_tokens": 7}
+    assert AcceptanceStats.from_vllm_request(metrics, 3) == AcceptanceStats.from_lengths([1, 4, 2, 4], 4)
+    with pytest.raises(ValueError, match="4 bins for 7 speculative tokens"):
+        AcceptanceStats.from_vllm_request(metrics, 7)
+
+
 def test_merge_adds_counts():
     a = AcceptanceStats.from_lengths([2, 3], 4)
     b = AcceptanceStats.from_lengths([1], 4)

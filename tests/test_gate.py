@@ -331,8 +331,28 @@ def test_an_mtp_head_that_collapsed_in_the_mxfp4_checkpoint_fails_its_own_checks
     assert checks["gsm8k B=8"].verdict == "pass" and result.verdict == "fail"
     mtp = checks["gsm8k MTP B=4"]
     assert mtp.verdict == "fail" and mtp.reason.startswith("MTP head degraded: served MTP mean AL drop +")
+    assert len([c for c in result.checks if "MTP" in c.name]) == 2, "one MTP check per (workload, steps)"
     assert "served MTP mean AL drop <= 0.25" in summary_markdown(result)
     held = gate_report(write_report(tmp_path, {"gsm8k": 0.7, "mbpp": 0.7}, mtp_accept=(0.8, 0.8)), Gate(max_position_gap=0.1))
     assert held.checks and {c.name: c.verdict for c in held.checks}["mbpp MTP B=4"] == "pass"
     unset = gate_report(path, Gate(max_position_gap=0.1, max_mtp_acceptance_drop=None))
     assert not [c for c in unset.checks if "MTP" in c.name]
+
+
+def test_served_acceptance_at_a_higher_concurrency_is_gated_per_prompt_pair(tmp_path):
+    """Rows above concurrency 1 come from vLLM's per-request metrics and meet the own-text thresholds."""
+    recipe = Recipe.model_validate({"name": "gate-test", "target": {"path": "/t"}, "drafter": {"path": "/d"},
+                                    "validation": {"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 40,
+                                                   "concurrency": [1, 32], "precisions": ["bf16", "mxfp4"]}})
+    base = per_prompt_stats(0.7, 40, 1, 8)
+    per_prompt = {("gsm8k", "bf16", 8): base, ("gsm8k", "mxfp4", 8): base}
+    per_request = {("dflash", "gsm8k", "bf16", 8, 32): base, ("dflash", "gsm8k", "mxfp4", 8, 32): per_prompt_stats(0.3, 40, 2, 8)}
+    report = build_report(recipe, per_prompt, {"recipe": recipe.name, "backend": "vllm", "target": "/t", "drafter": "/d",
+                                               "settings": report_settings(recipe), "versions": {}}, per_request=per_request)
+    assert report.per_request_acceptance and [(d.concurrency, d.method) for d in report.served_drift] == [(32, "dflash")]
+    path = tmp_path / "report.json"
+    write_artifact(report, path)
+    [check] = gate_report(path, Gate(max_position_gap=0.1)).checks
+    assert check.name == "gsm8k B=8" and check.verdict == "fail", "one check per cell, with every concurrency's measure"
+    concurrency_1, concurrency_32 = check.reason.split("; worst position")[:2]
+    assert concurrency_1.startswith("mean AL drop -0.000 ") and "at concurrency 32: mean AL drop +" in concurrency_32

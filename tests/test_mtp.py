@@ -89,3 +89,27 @@ def test_a_checkpoints_head_loads_where_this_module_can_run_it(tiny, tmp_path):
     tensors["mtp.fc.weight_scale"] = torch.zeros(256, 16, dtype=torch.uint8)
     save_file(tensors, tmp_path / "model.safetensors")
     assert load_mtp_head(tmp_path) is None
+
+
+@torch.no_grad()
+def test_a_same_text_replay_verified_by_the_target_that_wrote_the_text_is_the_own_text_replay(tiny):
+    """`replay_mtp(..., predictions=)`: when the verifier's greedy predictions are the text itself, the
+    same-text rule is the ordinary one; predictions that disagree everywhere accept nothing."""
+    from transformers import AutoTokenizer
+
+    from pipeline.mtp import replay_mtp
+    from pipeline.speculative import TargetHooks
+    from pipeline.validate import greedy_continuations, load_target
+    from pipeline.workloads import load_prompts
+
+    path = tiny / "qwen3.5-tiny"
+    target, tokenizer = load_target(path, "bf16"), AutoTokenizer.from_pretrained(path)
+    head, hooks = load_mtp_head(path), TargetHooks.of(target)
+    [(tokens, prompt_len)] = greedy_continuations(target, tokenizer, load_prompts("gsm8k", 1, 0), 24)
+    out = target(torch.tensor([tokens]), output_hidden_states=True)
+    final_hidden, predictions = out.hidden_states[-1][0].float(), out.logits[0].argmax(-1)
+    own = replay_mtp(head, hooks, tokens, final_hidden, prompt_len, 4)
+    verified = replay_mtp(head, hooks, tokens, final_hidden, prompt_len, 4, predictions=predictions)
+    assert verified.acceptance_lengths == own.acceptance_lengths and max(own.acceptance_lengths) > 1
+    wrong = replay_mtp(head, hooks, tokens, final_hidden, prompt_len, 4, predictions=(predictions + 1) % 256)
+    assert set(wrong.acceptance_lengths) == {1}

@@ -25,14 +25,16 @@ def test_a_serving_cell_is_one_server_of_the_matrix_costed_by_the_documented_ari
     study = recipe(workloads=["gsm8k", "mbpp"], budgets=[4, 8], concurrency=[1, 32], methods=["ar", "dflash"],
                    num_prompts=10, max_tokens=100)
     cells = {c.name: c for c in study_cells(study) if c.kind == "serving"}
-    assert set(cells) == {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", "dflash-b4", "dflash-b8")}
+    assert set(cells) == {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", "dflash-b4", "dflash-b8")} | {"score-mxfp4"}
     rates = study.plan
     # per workload: 10 prompts x 100 tokens at concurrency 1 and at 32 (aggregate rate x batch_gain), and
     # the AR servers' prefill of 10 texts of 100 tokens for the served fidelity
     per_workload = 10 * 100 / 80.0 + 10 * 100 / (80.0 * rates.batch_gain)
     scoring = 10 * 100 / rates.prefill_tok_s
     assert cells["serve-bf16-ar"].estimate_s == pytest.approx(rates.server_start_s + 2 * (per_workload + scoring))
-    assert cells["serve-mxfp4-ar"].after == ("serve-bf16-ar",), "the MXFP4 AR server scores bf16's served text"
+    assert cells["serve-mxfp4-ar"].after == (), "the AR servers run side by side"
+    assert cells["score-mxfp4"].after == ("serve-bf16-ar",), "an MXFP4 AR server scores bf16's served text after it"
+    assert cells["score-mxfp4"].estimate_s == pytest.approx(rates.server_start_s + 2 * scoring)
     assert cells["serve-bf16-dflash-b8"].estimate_s == pytest.approx(
         rates.server_start_s + 2 * (10 * 100 / 400.0 + 10 * 100 / (400.0 * rates.batch_gain)))
     assert cells["serve-mxfp4-ar"].estimate_s < cells["serve-bf16-ar"].estimate_s  # mxfp4_speedup
@@ -49,6 +51,7 @@ def test_serving_cells_cost_the_subset_vllm_serves():
     cells = {c.name: c for c in study_cells(study)}
     assert {n for n in cells if n.startswith("serve-")} == {f"serve-{p}-{m}" for p in ("bf16", "mxfp4")
                                                             for m in ("ar", "dflash-b8")}
+    assert "score-mxfp4" in cells, "fidelity by the served kernels beside the reference backend's"
     assert cells["serve-bf16-ar"].output_tokens == 1 * 2 * 100  # one workload, two prompts
     assert cells["reference-bf16-mbpp"].output_tokens == 10 * 100  # the reference backend measures everything
 
@@ -98,7 +101,7 @@ def test_a_tensor_parallel_server_takes_gpus_of_one_node():
 def test_more_gpus_never_take_longer_and_the_totals_add_up():
     study = plan_study(load_recipe(RECIPES / "qwen3.5-27b-mxfp4.toml"), gpus_per_node=8, nodes=4)
     one, node, cluster = (s.wall_s for s in study.schedules)
-    assert len(study.cells) == 14 + 10 and one == pytest.approx(study.total_s)  # 14 servers, 2 x 5 replay cells
+    assert len(study.cells) == 14 + 1 + 10 and one == pytest.approx(study.total_s)  # 14 servers, score-mxfp4, 10 replays
     assert one > node >= cluster >= max(c.estimate_s for c in study.cells)
 
 

@@ -181,6 +181,9 @@ def test_the_gpu_check_recipes_are_the_cpu_ones_made_for_a_gpu(tmp_path):
         assert recipe.drafter.path.parent == original.drafter.path.parent
         assert recipe.quantization.mode == ("file_to_file" if moe else original.quantization.mode)
         assert recipe.validation.methods == original.validation.methods
+    alone = load_recipe(tmp_path / "qwen3.5-tiny-vllm-only-gpu.toml")
+    assert alone.validation.backends == ["vllm"] and alone.validation.replays_served_text
+    assert alone.validation.methods == ["ar", "mtp", "dflash"] and alone.serving.dtype == "bfloat16"
 
 
 def test_a_quantized_mtp_head_cannot_be_asked_of_in_memory_mode(tmp_path):

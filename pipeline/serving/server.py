@@ -102,6 +102,19 @@ def vllm_flavour() -> str | None:
     return None
 
 
+def has_per_request_acceptance() -> bool:
+    """Whether the installed vLLM reports each request's speculative acceptance in its response
+    (`--per-request-spec-decode-metrics`, `metrics.speculative_decoding`): it pairs served acceptance
+    by prompt at any concurrency. Asked of vLLM's own config, so an older vLLM is never given the flag."""
+    try:
+        from dataclasses import fields
+
+        from vllm.config.observability import ObservabilityConfig
+    except Exception:  # no vLLM, or one that predates the module
+        return False
+    return any(f.name == "per_request_spec_decode_metrics" for f in fields(ObservabilityConfig))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -131,7 +144,9 @@ class VllmServer:
         launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
         if flavour == "gpu" and (exe := Path(sys.executable).with_name("vllm")).exists():
             launcher = [str(exe), "serve"]
-        return [*launcher, self.spec.model, "--host", "127.0.0.1", "--port", str(self.port), *self.spec.args()]
+        # Not part of the spec (nor of the launch commands users copy): measurement only, where vLLM has it
+        measured = ["--per-request-spec-decode-metrics", "summary"] if self.spec.speculative and has_per_request_acceptance() else []
+        return [*launcher, self.spec.model, "--host", "127.0.0.1", "--port", str(self.port), *self.spec.args(), *measured]
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -175,15 +175,19 @@ def test_the_mxfp4_export_keeps_the_mtp_head_bf16_and_the_report_has_every_serve
 
 
 def test_the_report_has_served_mtp_drift_and_fidelity_by_the_served_kernels_and_the_reference_path(served):
-    """MTP drift rows (bf16 head vs the MXFP4 checkpoint's, served) where MTP is served at both precisions;
+    """MTP drift rows (bf16 head vs the MXFP4 checkpoint's, served, and replayed along bf16's text) where MTP
+    is served at both precisions;
     fidelity measured both ways, agreeing: top-1 agreement within each other's interval, KL intervals
     overlapping. The reference path reads its own float32 greedy text, vLLM bf16's served text."""
     report, out, precisions, methods, _ = served
     expected = {("gsm8k", BUDGET)} if "mtp" in methods else set()
     assert {(d["workload"], d["budget"]) for d in report["mtp_drift"]} == expected
-    for row in report["mtp_drift"]:
+    assert {(d["workload"], d["budget"]) for d in report["mtp_same_text_drift"]} == expected, "the head is unquantized"
+    for row in report["mtp_drift"] + report["mtp_same_text_drift"]:
         assert row["method"] == "mtp" and row["num_prompts"] == 2
         print(f"MTP drift {row['delta']:+.3f} {row['ci95']}")
+    if expected:
+        assert "## MTP head: bf16 vs the MXFP4 checkpoint's" in (out / "validate" / "report.md").read_text()
     rows = {f["measured_by"]: f for f in report["fidelity"]}
     assert set(rows) == {"vllm", "reference"}
     for one, other in ((rows["vllm"], rows["reference"]), (rows["reference"], rows["vllm"])):

@@ -52,7 +52,7 @@ def reference_recipe(tmp_path, served: str = "", **validation) -> str:
 def served(tmp_path_factory):
     assert (REFERENCE_TARGET / "config.json").is_file(), "reference target missing: run `make install`"
     folder = tmp_path_factory.mktemp("vllm-validate")
-    (folder / "recipe.toml").write_text(reference_recipe(folder, workloads='["gsm8k", "mt-bench"]'))
+    (folder / "recipe.toml").write_text(reference_recipe(folder, workloads='["gsm8k", "mt-bench"]', concurrency="[1, 3]"))
     run_pipeline(load_recipe(folder / "recipe.toml"), folder / "out", until="gate")
     return json.loads((folder / "out" / "validate" / "report.json").read_text()), folder / "out"
 
@@ -63,7 +63,7 @@ def test_every_server_of_the_matrix_served_with_positive_throughput(served):
     assert cells == {("bf16", "ar", None), ("bf16", "dflash", BUDGET), ("mxfp4", "ar", None), ("mxfp4", "dflash", BUDGET)}
     for row in report["serving"]:
         assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0 and row["num_prompts"] == 3
-        assert row["workload"] in ("gsm8k", "mt-bench")
+        assert row["workload"] in ("gsm8k", "mt-bench") and row["concurrency"] in (1, 3)
         if row["method"] == "ar":
             assert row["speedup"] == pytest.approx(1.0) and row["speedup_over_al"] is None
         else:
@@ -104,6 +104,28 @@ def test_report_has_the_serving_tables_and_figures(served):
         {f"serve-{p}-{m}" for p in ("bf16", "mxfp4") for m in ("ar", f"dflash-b{BUDGET}")}
 
 
+def test_served_acceptance_is_paired_by_prompt_at_every_concurrency(served):
+    """vLLM's per-request metrics: at concurrency 1 they equal the /metrics deltas around each request,
+    at 3 they add up to the server's counters, and they give paired drift rows there."""
+    from pipeline.acceptance import AcceptanceStats
+
+    report, out = served
+    assert report["per_request_acceptance"] is True
+    assert {(d["workload"], d["concurrency"], d["method"]) for d in report["served_drift"]} == \
+        {("gsm8k", 3, "dflash"), ("mt-bench", 3, "dflash")}
+    for precision in ("bf16", "mxfp4"):
+        folder = out / ".mxspec" / "cells" / f"serve-{precision}-dflash-b{BUDGET}"
+        cell = json.loads((folder / "result.json").read_text())
+        assert "--per-request-spec-decode-metrics summary" in (folder / "server.log").read_text().splitlines()[0]
+        for workload in ("gsm8k", "mt-bench"):
+            assert cell["per_request"]["1"][workload] == cell["per_prompt"][workload]
+            pooled = AcceptanceStats.pooled(AcceptanceStats(**s) for s in cell["per_request"]["3"][workload])
+            row = next(r for r in cell["rows"] if (r["workload"], r["concurrency"]) == (workload, 3))
+            assert pooled.num_drafts == row["num_drafts"]
+            assert pooled.mean_acceptance_length == pytest.approx(row["mean_acceptance_length"])
+    assert "## Served acceptance above concurrency 1, paired by prompt" in (out / "validate" / "report.md").read_text()
+
+
 def test_fidelity_and_same_text_are_measured_on_the_served_text_for_every_workload(served):
     report, out = served
     assert report["backend"] == "vllm" and report["reference_text"] == "served"
@@ -116,6 +138,8 @@ def test_fidelity_and_same_text_are_measured_on_the_served_text_for_every_worklo
     served = json.loads((out / ".mxspec" / "cells" / "serve-bf16-ar" / "result.json").read_text())
     assert all(len(p) > 0 for p in served["prompt_tokens"]["gsm8k"])
     assert (out / ".mxspec" / "cells" / "serve-bf16-ar" / "scores.safetensors").is_file()
+    scored = (out / "validate" / "cells" / "score-mxfp4" / "server.log").read_text()  # an MXFP4 AR server scored it
+    assert "quantize/checkpoint" in scored.splitlines()[0] and scored.count("POST /v1/completions") == 6
     timing = json.loads((out / ".mxspec" / "cells" / "replay-mxfp4-mt-bench" / "timing.json").read_text())
     assert "mxfp4 own text" in timing["phases"] and not any("generate" in p for p in timing["phases"])
     for (workload, by), f in sorted(fidelity.items()):
