@@ -39,6 +39,19 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def check_output_file(path: Path, what: str) -> Path:
+    """Refuse (exit 2) an output file path mxspec cannot write, before any work: a folder, a broken or
+    looping symlink, or a parent that is not an existing folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise BadInputError(f"{path}: the {what} is a folder; pass a file path, e.g. {path / 'plan.json'}")
+    if path.is_symlink() and not path.exists():
+        raise BadInputError(f"{path}: the {what} is a broken or looping symlink; pick another path")
+    if not path.parent.is_dir():
+        raise BadInputError(f"{path}: the {what}'s folder {path.parent} does not exist; create it or pick another path")
+    return path
+
+
 def is_mxspec_folder(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / OWNER_MARK).is_file()
 

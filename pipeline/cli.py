@@ -119,20 +119,22 @@ def plan(
 ) -> None:
     """Estimate the study before running it: its cells, longest first, and its wall time on one GPU, on
     one node of GPUS and on NODES such nodes. Estimates come from the recipe's [plan] rates."""
-    from pipeline.atomic import atomic_write_text
+    from pipeline.atomic import atomic_write_text, check_output_file
     from pipeline.cells import read_timing
     from pipeline.errors import BadInputError
     from pipeline.plan import plan_study
 
     if gpus < 1 or nodes < 1:
         raise BadInputError(f"--gpus {gpus} --nodes {nodes}: both must be at least 1")
+    if json_path is not None:
+        check_output_file(json_path, "--json file")
+    if run_out is not None and not RunLayout(run_out).cells.is_dir():
+        raise BadInputError(f"--run {run_out}: no validate cells there; pass the --out folder of a run that validated")
     study = plan_study(load_recipe(recipe), gpus_per_node=gpus, nodes=nodes)
     out = Console()
     measured = f"; measured: the cells kept in {run_out}" if run_out is not None else ", not measurements"
     table = Table(title=escape(f"{study.recipe}: {len(study.cells)} cells (estimates{measured})"),
                   title_justify="left")
-    if run_out is not None and not RunLayout(run_out).cells.is_dir():
-        raise BadInputError(f"--run {run_out}: no validate cells there; pass the --out folder of a run that validated")
     columns = ("cell", "GPUs", "tokens", "estimate") + (("measured",) if run_out is not None else ())
     for column in columns:
         table.add_column(column, justify="left" if column == "cell" else "right")

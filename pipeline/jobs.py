@@ -6,7 +6,6 @@ job's failure, even a bug, is recorded in its summary row and does not stop the 
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,9 +13,8 @@ from rich.markup import escape
 
 from pipeline.artifacts import PublishResult
 from pipeline.errors import BadInputError, MxspecError
-from pipeline.hashing import HashCache
 from pipeline.layout import RunLayout
-from pipeline.publish import PublishStage, plan_publish
+from pipeline.publish import PublishStage
 from pipeline.recipe import Recipe
 
 
@@ -42,7 +40,7 @@ def publish_runs(jobs: list[tuple[Recipe, Path]], *, dry_run: bool = False, forc
     for recipe, out in jobs:
         repo = recipe.publish.repo_id or "-"
         try:
-            outcomes.append(_plan_only(recipe, out, force) if dry_run else _publish_one(recipe, out, force, console))
+            outcomes.append(_plan_only(recipe, out, force, console) if dry_run else _publish_one(recipe, out, force, console))
         except MxspecError as exc:
             outcomes.append(_failed(recipe, repo, str(exc), exc.exit_code, console))
         except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the others; the summary names it
@@ -57,8 +55,7 @@ def _failed(recipe: Recipe, repo: str, message: str, exit_code: int, console) ->
 
 
 def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
-    # every stage's module (torch among them) is imported here, not for a dry run
-    from pipeline.stages import run_pipeline
+    from pipeline.stages import run_pipeline  # every stage's module, torch among them
 
     if not recipe.publish.repo_id:
         raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")
@@ -71,10 +68,12 @@ def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
                       f"{result.verified} verified, {len(result.uploaded)} uploaded")
 
 
-def _plan_only(recipe: Recipe, out: Path, force: bool) -> JobOutcome:
-    with tempfile.TemporaryDirectory() as card_dir:
-        hashes = HashCache(RunLayout(Path(out)).hash_cache)
-        plan = plan_publish(recipe, out, Path(card_dir), hashes, force=force)
+def _plan_only(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
+    from pipeline.stages import preview_publish
+
+    if not recipe.publish.repo_id:
+        raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")
+    plan = preview_publish(recipe, out, force=force, console=console)
     size = plan.total_bytes / 1e9
     where = f"{plan.endpoint}/{plan.repo_id}" + (" (PR)" if plan.create_pr else "") + (f", tag {plan.tag}" if plan.tag else "")
     return JobOutcome(recipe.name, plan.repo_id, f"would upload to {where}: {plan.commit_message}", "",

@@ -2,8 +2,9 @@
 
 `mxspec recipe check` runs them, and so does every run before its first stage: a recipe that cannot
 succeed (a missing folder, a drafter that does not fit the target, MTP on a target without an MTP
-head, a run folder inside a model folder) fails in seconds with one line, not after an hour of
-quantization. A Hub model is checked when its files are in the local Hub cache; otherwise the check
+head, a run folder inside a model folder, an exclusion pattern that matches no layer of the target)
+fails in seconds with one line, not after an hour of quantization, and before a run folder holds
+anything. A Hub model is checked when its files are in the local Hub cache; otherwise the check
 waits for the pair stage and `preflight` says so.
 """
 
@@ -13,9 +14,9 @@ import json
 from pathlib import Path
 
 from pipeline.architecture_data import stored_for_repo
-from pipeline.checkpoint import has_mtp_head, linear_layers_from_tensors
+from pipeline.checkpoint import has_mtp_head, linear_layers_from_tensors, read_checkpoint
 from pipeline.errors import BadInputError
-from pipeline.exclusions import DEFAULT_EXCLUDE, exclusion_patterns
+from pipeline.exclusions import DEFAULT_EXCLUDE, check_exclusions, exclusion_patterns
 from pipeline.fp8 import block_size, is_fp8_source
 from pipeline.hashing import sha256_file
 from pipeline.hub_env import hub_offline
@@ -85,6 +86,7 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise BadInputError(f"drafter {recipe.drafter.describe()} does not pair with target "
                                 f"{recipe.target.describe()}: {problems[0]}{more}; fix [drafter] or [target]")
+    _check_exclusions(recipe, folders.get("target"), configs.get("target"))
     if "target" in configs and "mtp" in recipe.validation.methods and not has_mtp_head(configs["target"]):
         raise BadInputError("[validation] methods: 'mtp' needs a target with an MTP head (Qwen3.5); remove it")
     if recipe.validation.prompt_source == "hub" and hub_offline():
@@ -100,6 +102,31 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
     if out is not None:
         _check_out(Path(out), folders)
     return notes
+
+
+def target_layers(recipe: Recipe, folder: Path | None, config: dict | None) -> list[str] | None:
+    """The target's Linear layer names, as quantize will list them: from the checkpoint's headers when
+    its files are here, else from the config stored for its Hub repo (Qwen3.5, on the meta device's
+    layout); None when neither is known."""
+    if folder is not None:
+        return read_checkpoint(folder).linear_layers()
+    if recipe.target.id is not None and (stored := stored_for_repo(recipe.target.id)) is not None:
+        try:
+            return linear_layers_from_tensors(checkpoint_tensors(stored))
+        except (KeyError, TypeError, ValueError):
+            return None
+    return None
+
+
+def _check_exclusions(recipe: Recipe, folder: Path | None, config: dict | None) -> None:
+    """[quantization] exclude against the target's layers, as quantize will check it (a pattern that matches
+    nothing, a fused group cut in two): refused here, before a run folder holds anything."""
+    layers = target_layers(recipe, folder, config)
+    if layers is None:
+        return
+    model_type = (config or stored_for_repo(recipe.target.id) or {}).get("model_type", "")
+    q = recipe.quantization
+    check_exclusions(layers, exclusion_patterns(layers, model_type, q.exclude, q.quantize_mtp))
 
 
 def _check_out(out: Path, folders: dict[str, Path | None]) -> None:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -36,12 +37,14 @@ from pipeline.atomic import (
     make_dirs,
     sweep_partials,
 )
-from pipeline.errors import BadInputError, ExternalError
+from pipeline.errors import BadInputError, ExternalError, MxspecError
 from pipeline.hashing import HashCache, digest_of
 from pipeline.layout import MANIFEST, RunLayout
 from pipeline.recipe import Recipe
 from pipeline.stage_log import third_party_output_to, verbose
 from pipeline.versions import tool_versions
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -102,23 +105,68 @@ def run_stages(
     """Run `stages` in order into `out`, resuming: a stage whose manifest matches is skipped.
 
     Stages named in `must_be_done` are never run: if one is not up to date the call fails (so a
-    publishing job cannot silently re-quantize a checkpoint)."""
-    out = prepare_run_folder(out)
-    console = console or Console(stderr=True)
-    with hold_run_folder(out):
-        sweep_partials(out)
+    publishing job cannot silently re-quantize a checkpoint), and `out` must already be a run folder."""
+    with _open_run(recipe, out, console, force, create=not must_be_done, read_only=False) as ctx:
+        return [_run_one(stage, ctx, force=stage.name in force, must_be_done=stage.name in must_be_done)
+                for stage in stages]
+
+
+def preview_last_stage(recipe: Recipe, out: Path, stages: Sequence[Stage], preview: Callable[[StageContext], T],
+                       console: Console | None = None) -> T:
+    """A dry run of `run_stages(recipe, out, stages, must_be_done=<every stage but the last>)`: the same
+    checks in the same order, refused with the same lines (a folder that is no run, one locked by
+    another run, a stage out of date), changing nothing; `preview(ctx)` stands in for the last stage."""
+    with _open_run(recipe, out, console, (), create=False, read_only=True) as ctx:
+        for stage in stages[:-1]:
+            _run_one(stage, ctx, force=False, must_be_done=True)
+        _input_hashes(stages[-1], ctx)
+        return preview(ctx)
+
+
+@contextmanager
+def _open_run(recipe: Recipe, out: Path, console: Console | None, force: Sequence[str], *, create: bool,
+              read_only: bool) -> Iterator[StageContext]:
+    """The run folder checked, locked (only probed, `read_only`) and swept of partial outputs, as a context.
+    A run refused or failed (an `MxspecError`) before any stage finished leaves no trace in a folder
+    that was absent or empty: what this call created there is removed."""
+    existed = Path(out).exists()
+    fresh = not existed or (Path(out).is_dir() and not any(Path(out).iterdir()))
+    out = prepare_run_folder(out, create=create)
+    try:
+        with _locked(recipe, out, console, force, read_only) as ctx:
+            yield ctx
+    except MxspecError:
+        if fresh and not read_only and not any(out.glob(f"*/{MANIFEST}")):
+            _remove_created(out, existed)
+        raise
+
+
+def _remove_created(out: Path, existed: bool) -> None:
+    """Undo a refused run in a folder it found absent or empty: everything there is this run's."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for child in out.iterdir():
+        shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink(missing_ok=True)
+
+
+@contextmanager
+def _locked(recipe: Recipe, out: Path, console: Console | None, force: Sequence[str],
+            read_only: bool) -> Iterator[StageContext]:
+    with hold_run_folder(out, probe=read_only):
+        if not read_only:
+            sweep_partials(out)
         hashes = HashCache(RunLayout(out).hash_cache)
-        ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console, force=frozenset(force))
-        results: list[StageResult] = []
+        ctx = StageContext(recipe=recipe, out=out, hashes=hashes, console=console or Console(stderr=True),
+                           force=frozenset(force))
         try:
-            for stage in stages:
-                results.append(_run_one(stage, ctx, force=stage.name in force, must_be_done=stage.name in must_be_done))
+            yield ctx
         finally:
-            try:
-                hashes.save()
-            except OSError:
-                pass  # a cache of file hashes only (a full disk, say): the next run hashes again
-    return results
+            if not read_only:
+                try:
+                    hashes.save()
+                except OSError:
+                    pass  # a cache of file hashes only (a full disk, say): the next run hashes again
 
 
 def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool = False) -> StageResult:
@@ -190,9 +238,10 @@ def is_run_folder(path: Path) -> bool:
     return RunLayout(Path(path)).state.is_dir()
 
 
-def prepare_run_folder(out: Path) -> Path:
-    """The run folder, created if absent; refused (exit 2) when it is a file, unwritable, or a folder of
-    someone else's files (a run folder is one that holds mxspec's state folder)."""
+def prepare_run_folder(out: Path, create: bool = True) -> Path:
+    """The run folder, created if absent (with `create`; else it must already be one); refused (exit 2)
+    when it is a file, unwritable, or a folder of someone else's files (a run folder is one that holds
+    mxspec's state folder)."""
     out = Path(out)
     try:
         out = out.resolve()
@@ -203,6 +252,10 @@ def prepare_run_folder(out: Path) -> Path:
     if out.is_dir() and not is_run_folder(out) and any(out.iterdir()):
         raise BadInputError(f"{out}: the run folder (--out) holds files not written by mxspec; "
                             "pick a new or empty folder (mxspec never writes into someone else's folder)")
+    if not create:
+        if not is_run_folder(out):
+            raise BadInputError(f"{out} holds no mxspec run; run `mxspec run RECIPE --out {out}` first")
+        return out
     return make_dirs(out, "run folder (--out)")
 
 
@@ -249,11 +302,16 @@ def _outputs_intact(stage_dir: Path, manifest: StageManifest, ctx: StageContext)
 
 
 @contextmanager
-def hold_run_folder(out: Path) -> Iterator[None]:
-    """One run per output folder at a time; the lock dies with the process, so a kill never wedges it."""
+def hold_run_folder(out: Path, *, probe: bool = False) -> Iterator[None]:
+    """One run per output folder at a time; the lock dies with the process, so a kill never wedges it.
+    `probe`: only check that no other run holds it, creating nothing (a dry run)."""
     lock = RunLayout(out).lock
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "w") as handle:
+    if probe and not lock.exists():
+        yield  # no run ever locked it
+        return
+    if not probe:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "r" if probe else "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

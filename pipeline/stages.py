@@ -13,11 +13,11 @@ from pipeline.errors import BadInputError
 from pipeline.gate import GateStage
 from pipeline.pair import PairStage
 from pipeline.preflight import preflight
-from pipeline.publish import PublishStage
+from pipeline.publish import PublishPlan, PublishStage, plan_publish
 from pipeline.quantize import QuantizeStage
 from pipeline.recipe import Recipe
 from pipeline.resolve import ResolveStage
-from pipeline.runner import Stage, StageResult, run_stages
+from pipeline.runner import Stage, StageResult, preview_last_stage, run_stages
 from pipeline.validate import ValidateStage
 
 PIPELINE: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), PairStage(), ValidateStage(), GateStage(), PublishStage())
@@ -46,3 +46,18 @@ def run_pipeline(
     must_be_done = tuple(stage.name for stage in stages[:-1]) if only_last else ()
     preflight(recipe, out)
     return run_stages(recipe, out, stages, force=force, must_be_done=must_be_done, console=console)
+
+
+def preview_publish(recipe: Recipe, out: Path, *, force: bool = False, console: Console | None = None) -> PublishPlan:
+    """`mxspec publish --dry-run`: what `run_pipeline(recipe, out, until="publish", only_last=True)` would
+    upload, decided by the same checks (preflight, the run folder, its lock, every stage up to date,
+    the gate) and refused with the same lines; nothing is written or uploaded."""
+    import tempfile
+
+    preflight(recipe, out)
+
+    def plan(ctx) -> PublishPlan:
+        with tempfile.TemporaryDirectory(prefix="mxspec-card-") as card_dir:
+            return plan_publish(recipe, ctx.out, Path(card_dir), ctx.hashes, force=force)
+
+    return preview_last_stage(recipe, out, (*PIPELINE[:-1], PublishStage(force=force)), plan, console)

@@ -497,7 +497,7 @@ def _accuracy_row(workload: str, answers: dict, max_tokens: int, seed: int) -> A
 
 class Validated(NamedTuple):
     report: ValidateReport
-    seconds: dict[str, float]  # wall time of each reference-backend phase: the manifest's, as it differs run to run
+    seconds: dict[str, float]  # wall time of each phase within the cells (replays, scoring): the manifest's, as it differs run to run
     cells: list[str]  # the cells the report was assembled from
     measured: dict[str, Measured]  # the cells this run measured (not those kept from earlier runs)
 
@@ -661,8 +661,8 @@ class ValidateStage:
         (workdir / REPORT_MARKDOWN).write_text(report_markdown(report))
         write_figures(report, workdir)
         if seconds:
-            ctx.console.print("  reference backend: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in seconds.items()))
+            ctx.console.print("  phases: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in seconds.items()))
         ctx.console.print(f"  {len(report.drift)} drift rows, {len(report.same_text_drift)} same-text rows, "
                           f"{len(report.fidelity)} fidelity rows")
-        return {f"reference: {phase} (s)": round(s, 1) for phase, s in seconds.items()} | \
+        return {f"phase: {phase} (s)": round(s, 1) for phase, s in seconds.items()} | \
             {f"cell {name} (s)": round(m.seconds, 1) for name, m in measured.items()}

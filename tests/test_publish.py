@@ -396,3 +396,46 @@ def test_a_repo_with_files_mxspec_did_not_publish_is_refused(mxspec, run, hub, t
         f"error: tiny-publish: {REPO} holds 1 file(s) mxspec did not publish (NOTES.md); remove them on the Hub or set another "
         "[publish] repo_id")
     assert commits(url) == history and "NOTES.md" in remote_tree(url, REPO)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) if folder.exists() else []
+
+
+@pytest.mark.parametrize("case", ["locked", "out-of-date", "absent", "no-repo-id"])
+def test_a_dry_run_refuses_exactly_when_the_real_publish_does(mxspec, run, hub, tmp_path, case):
+    """Each refusal of `publish --force` against its `--dry-run --force` form: the same exit code and
+    the same line, and the run folder's listing as it was (the dry run writes nothing at all)."""
+    import fcntl
+
+    recipe, out = run
+    _, env, _ = hub
+    if case == "out-of-date":  # another validation setting: validate's fingerprint no longer matches
+        recipe = tmp_path / "recipe.toml"
+        recipe.write_text(run[0].read_text().replace("max_tokens = 8", "max_tokens = 9"))
+    elif case == "absent":
+        out = tmp_path / "no-run-here"
+    elif case == "no-repo-id":
+        recipe = tmp_path / "recipe.toml"
+        recipe.write_text(run[0].read_text().replace(f'repo_id = "{REPO}"\n', ""))
+    lines = {}
+    lock = open(out / ".mxspec" / "lock") if case == "locked" else None
+    try:
+        if lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another mxspec run holds the folder
+        for form in (("--force",), ("--dry-run", "--force")):
+            before = _listing(out)
+            result = mxspec("publish", f"{recipe}={out}", *form, env=env)
+            assert result.returncode == 2, (form, result.stdout, result.stderr)
+            assert "Traceback" not in result.stderr + result.stdout
+            lines[form] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+            assert len(lines[form]) == 1, result.stderr
+            assert _listing(out) == before, form
+    finally:
+        if lock:
+            lock.close()
+    real, dry = lines.values()
+    assert real == dry
+    expected = {"locked": "is in use by another mxspec run", "out-of-date": "stage 'validate'",
+                "absent": "holds no mxspec run", "no-repo-id": "repo_id is not set"}[case]
+    assert expected in real[0]

@@ -114,8 +114,8 @@ def test_redone_validate_writes_the_same_bytes_and_keeps_its_wall_times_in_the_m
     assert again.started_at != first.started_at
     assert again.outputs == first.outputs
     cells = {f"cell reference-{p}-{w} (s)" for p in ("bf16", "mxfp4") for w in ("gsm8k", "humaneval")}
-    assert set(again.measured) == {"reference: bf16 own text (s)", "reference: mxfp4 own text (s)",
-                                   "reference: mxfp4 on bf16's text (s)"} | cells
+    assert set(again.measured) == {"phase: bf16 own text (s)", "phase: mxfp4 own text (s)",
+                                   "phase: mxfp4 on bf16's text (s)"} | cells
     assert all(seconds >= 0 for seconds in again.measured.values())
 
 
