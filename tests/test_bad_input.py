@@ -45,6 +45,24 @@ repo_id = "local-user/bad-input"
 REFERENCE_RECIPE = RECIPES / "reference-cpu.toml"
 
 
+@pytest.fixture
+def mxspec(mxspec, tmp_path):
+    """The CLI, with the rule every case here shares checked on each refused command: the test's folder
+    lists the same files and folders before and after (a refused command creates and deletes nothing)."""
+    def listing() -> list[str]:
+        return sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+
+    def run(*args, **kwargs):
+        before = listing()
+        result = mxspec(*args, **kwargs)
+        if result.returncode not in (0, 1):
+            assert listing() == before, f"mxspec {' '.join(map(str, args))} (exit {result.returncode}) changed {tmp_path}"
+        return result
+
+    run.exe = mxspec.exe
+    return run
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` with its bytes (what 'untouched' means)."""
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -410,7 +410,7 @@ def test_a_dry_run_refuses_exactly_when_the_real_publish_does(mxspec, run, hub, 
 
     recipe, out = run
     _, env, _ = hub
-    if case == "out-of-date":  # another validation setting: validate's fingerprint no longer matches
+    if case == "out-of-date":  # another validation setting: pair's and validate's fingerprints no longer match
         recipe = tmp_path / "recipe.toml"
         recipe.write_text(run[0].read_text().replace("max_tokens = 8", "max_tokens = 9"))
     elif case == "absent":
@@ -436,6 +436,6 @@ def test_a_dry_run_refuses_exactly_when_the_real_publish_does(mxspec, run, hub, 
             lock.close()
     real, dry = lines.values()
     assert real == dry
-    expected = {"locked": "is in use by another mxspec run", "out-of-date": "stage 'validate'",
+    expected = {"locked": "is in use by another mxspec run", "out-of-date": "is missing or out of date for this recipe",
                 "absent": "holds no mxspec run", "no-repo-id": "repo_id is not set"}[case]
     assert expected in real[0]

@@ -177,6 +177,22 @@ def test_the_gate_fails_every_mt_bench_check_as_target_degraded(served):
     print(f"mt-bench own-text delta {own['delta']:+.3f} {own['ci95']}; {mt_bench[0]['reason']}")
 
 
+def test_validate_again_keeps_every_cell_servers_scoring_and_replays_alike(served, tmp_path):
+    """The replay and score cells are ordinary cells: a validate run again (its stage folder gone) reads
+    every kept cell and measures nothing, and writes the same report."""
+    import shutil
+
+    report, local = served
+    out = tmp_path / "out"
+    shutil.copytree(local, out, ignore=shutil.ignore_patterns("validate", "gate", "lock"))
+    run_pipeline(load_recipe(local.parent / "recipe.toml"), out, until="validate")
+    manifest = json.loads((out / "validate" / "manifest.json").read_text())
+    assert not [key for key in manifest["measured"] if key.startswith("cell ")], manifest["measured"]
+    again = json.loads((out / "validate" / "report.json").read_text())
+    assert again["fidelity"] == report["fidelity"] and again["same_text_drift"] == report["same_text_drift"]
+    assert {p.name for p in (out / "validate" / "cells").iterdir()} >= {"score-mxfp4", "replay-mxfp4-mt-bench"}
+
+
 def test_a_serving_cell_runs_through_the_ray_executor(served, tmp_path):
     """One server of the matrix as a Ray task on a local cluster: it serves on the worker's loopback,
     its greedy tokens equal the local executor's for the same server, and its log comes back."""
