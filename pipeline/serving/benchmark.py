@@ -136,8 +136,13 @@ class ServedText:
 
 
 def served_texts(cell: ServedCell, workload: str) -> list[ServedText]:
-    """A served cell's greedy texts for one workload, in prompt order."""
-    return [ServedText(list(p), list(c)) for p, c in zip(cell.prompt_tokens[workload], cell.tokens[workload], strict=True)]
+    """A served cell's greedy texts for one workload, in prompt order; a server that returned no prompt
+    token ids (vLLM's `return_token_ids`) leaves nothing to score or replay along, so that is one line."""
+    prompts = cell.prompt_tokens.get(workload, [])
+    if len(prompts) != len(cell.tokens[workload]) or not all(prompts):
+        raise ServerError(f"the {cell.label} server returned no prompt token ids for {workload} (vLLM's "
+                          "`return_token_ids`); served fidelity and the replay along served text need a vLLM that does")
+    return [ServedText(list(p), list(c)) for p, c in zip(prompts, cell.tokens[workload], strict=True)]
 
 
 def measures_served_fidelity(recipe: Recipe) -> bool:
@@ -291,7 +296,7 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
     if scoring:
         text = next(cell for cell in cells if cell.name == bf16_ar)
 
-        def score(work: CellWorkspace) -> None:
+        def measure_scores(work: CellWorkspace) -> None:
             log = work.logs / f"{SCORE_CELL}.log"
             result = score_bf16_text(recipe, models["mxfp4"], work.inputs[bf16_ar], list(v.workloads), log, work.step,
                                      work.timed)
@@ -300,7 +305,7 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
 
         cells.append(Cell(SCORE_CELL, fingerprint(cell=SCORE_CELL, model=digests["mxfp4"], text=text.fingerprint,
                                                    top_k=SERVED_TOP_K, **common),
-                          score, after=(bf16_ar,), steps=len(v.workloads), gpus=s.tensor_parallel_size))
+                          measure_scores, after=(bf16_ar,), steps=len(v.workloads), gpus=s.tensor_parallel_size))
     return cells
 
 

@@ -105,3 +105,15 @@ def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the
         replay = replay_as_vllm_counts(target, drafter, sequence, prompt_len, block_size)
         assert served_stats == AcceptanceStats.from_lengths(replay.acceptance_lengths, block_size), prompt.id
         assert served_stats.num_drafts > 0
+
+
+def test_a_served_text_without_its_prompt_ids_is_refused_in_one_line():
+    """Served fidelity and the replay read the prompt as the server tokenized it; a vLLM that does not
+    return it must not be scored along the continuation alone."""
+    from pipeline.serving.benchmark import ServedCell, ServedText, served_texts
+    from pipeline.serving.server import ServerError
+
+    cell = ServedCell(label="bf16-ar", rows=[], tokens={"gsm8k": [[5, 6]]}, prompt_tokens={"gsm8k": [[1, 2, 3]]})
+    assert served_texts(cell, "gsm8k") == [ServedText([1, 2, 3], [5, 6])] and served_texts(cell, "gsm8k")[0].tokens == [1, 2, 3, 5, 6]
+    with pytest.raises(ServerError, match="returned no prompt token ids for gsm8k"):
+        served_texts(cell.model_copy(update={"prompt_tokens": {"gsm8k": [[]]}}), "gsm8k")
