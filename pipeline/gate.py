@@ -2,7 +2,9 @@
 
 The gate never re-measures, and it alone holds thresholds (validate's fingerprint leaves `[gate]`
 out, so changing a threshold re-runs this stage only). It reads `validate/report.json`, applies the
-recipe's thresholds to each (workload, budget) drift row (and each served MTP drift row) using the bootstrap intervals (`drift.decide`: fail only when the drop
+recipe's thresholds to each (workload, budget) cell, every measure of it in one check (own text at each
+concurrency, same text, fidelity however measured, accuracy; and the MTP head's served and same-text
+drift in a check of its own), using the bootstrap intervals (`drift.decide`: fail only when the drop
 is significantly beyond the threshold, inconclusive when the interval straddles it) and, when the
 recipe asks for a minimum MXFP4 throughput lift, to the vLLM serving rows. Outputs, for people and CI
 systems: verdict.json (schema `mxspec.gate/1`), summary.md (a job summary or PR comment) and

@@ -105,17 +105,23 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
 
 
 def target_layers(recipe: Recipe, folder: Path | None, config: dict | None) -> list[str] | None:
-    """The target's Linear layer names, as quantize will list them: from the checkpoint's headers when
-    its files are here, else from the config stored for its Hub repo (Qwen3.5, on the meta device's
-    layout); None when neither is known."""
+    """The target's Linear layer names, as quantize will list them: from the checkpoint's headers when its
+    weights are here (a local target must have them), else from its config (cached, or stored for its Hub
+    repo) for a Qwen3.5 layout; None when neither tells."""
     if folder is not None:
-        return read_checkpoint(folder).linear_layers()
-    if recipe.target.id is not None and (stored := stored_for_repo(recipe.target.id)) is not None:
         try:
-            return linear_layers_from_tensors(checkpoint_tensors(stored))
-        except (KeyError, TypeError, ValueError):
-            return None
-    return None
+            return read_checkpoint(folder).linear_layers()
+        except BadInputError:
+            if recipe.target.path is not None:
+                raise  # quantize would refuse the same folder
+    if config is None and recipe.target.id is not None:
+        config = stored_for_repo(recipe.target.id)
+    if config is None or not str(config.get("model_type", "")).startswith("qwen3_5"):
+        return None  # the config alone gives the layout of Qwen3.5 checkpoints only
+    try:
+        return linear_layers_from_tensors(checkpoint_tensors(config))
+    except (KeyError, TypeError, ValueError):  # not a layout the config alone gives
+        return None
 
 
 def _check_exclusions(recipe: Recipe, folder: Path | None, config: dict | None) -> None:

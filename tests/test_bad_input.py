@@ -503,3 +503,19 @@ def test_a_bad_plan_json_path_is_one_line_before_any_work(mxspec, tmp_path, kind
     assert_one_clear_line(result, 2, "--json file", *words)
     assert result.stdout == "", "refused before the plan is printed"
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_recipe_check_refuses_an_exclusion_of_a_hub_recipe_from_its_stored_config(mxspec, tmp_path):
+    """No weights here: the 27B's layers come from its stored config, and a typo is caught before download."""
+    text = (RECIPES / "qwen3.5-27b-mxfp4.toml").read_text().replace(
+        "# exclude omitted: the qwen3_5 family defaults (lm_head, visual tower, MTP head) apply",
+        'exclude = ["lm_head", "model.language_model.layers.*.mlp.gate_prj"]')
+    assert "gate_prj" in text
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(text)
+    assert_one_clear_line(mxspec("recipe", "check", recipe), 2, "pattern 'model.language_model.layers.*.mlp.gate_prj'",
+                          "matches no layer")
+    recipe.write_text(text.replace("gate_prj", "gate_proj"))  # half of vLLM's fused gate_up_proj
+    assert_one_clear_line(mxspec("recipe", "check", recipe), 2, "fused group gate_up_proj", "exclude all of them or none")
+    recipe.write_text(text.replace("gate_prj", "down_proj"))
+    assert mxspec("recipe", "check", recipe).returncode == 0
