@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline.cells import SCORE_CELL, reference_cell_name, replay_cell_name, serving_cell_name
 from pipeline.recipe import Recipe
-from pipeline.serving.benchmark import ServerCell, measures_served_fidelity, server_matrix
+from pipeline.serving.benchmark import ar_cell_name, measures_served_fidelity, server_matrix
 
 
 class PlannedCell(BaseModel):
@@ -84,20 +84,20 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
             single = rates.tok_s[server.method] * (rates.mxfp4_speedup if server.precision == "mxfp4" else 1.0)
             serving = sum(served.num_prompts * out_tokens / (single * min(c, rates.batch_gain)) for c in v.concurrency)
             name = serving_cell_name(server.label)
-            scoring = scoring_s if name == _ar_cell("bf16") and measures_served_fidelity(recipe) else 0.0
+            scoring = scoring_s if name == ar_cell_name("bf16") and measures_served_fidelity(recipe) else 0.0
             cells.append(PlannedCell(
                 name=name, kind="serving", gpus=recipe.serving.tensor_parallel_size,
                 output_tokens=len(served.workloads) * len(v.concurrency) * served.num_prompts * out_tokens,
                 estimate_s=rates.server_start_s + len(served.workloads) * serving + scoring))
         if measures_served_fidelity(recipe):
             cells.append(PlannedCell(name=SCORE_CELL, kind="serving", gpus=recipe.serving.tensor_parallel_size,
-                                     output_tokens=0, after=(_ar_cell("bf16"),),
+                                     output_tokens=0, after=(ar_cell_name("bf16"),),
                                      estimate_s=rates.server_start_s + scoring_s))
     if v.replays_served_text:
         out_tokens = rates.output_tokens_per_prompt or v.max_tokens
         for precision in ("bf16", "mxfp4"):
             for workload in v.workloads:
-                after = (_ar_cell(precision),) + ((replay_cell_name("bf16", workload),) if precision == "mxfp4" else ())
+                after = (ar_cell_name(precision),) + ((replay_cell_name("bf16", workload),) if precision == "mxfp4" else ())
                 cells.append(PlannedCell(
                     name=replay_cell_name(precision, workload), kind="replay", gpus=1, output_tokens=0, after=after,
                     estimate_s=v.num_prompts * out_tokens / rates.replay_tok_s[precision]))
@@ -110,10 +110,6 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
                     output_tokens=v.num_prompts * v.max_tokens, after=after,
                     estimate_s=v.num_prompts * v.max_tokens / rates.reference_tok_s[precision]))
     return sorted(cells, key=lambda cell: -cell.estimate_s)
-
-
-def _ar_cell(precision: str) -> str:
-    return serving_cell_name(ServerCell(precision, "ar", None).label)
 
 
 def schedule(cells: list[PlannedCell], nodes: int, gpus_per_node: int) -> Schedule:

