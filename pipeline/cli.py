@@ -18,9 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline.errors import MxspecError
-from pipeline.layout import RunLayout
+from pipeline.run.layout import RunLayout
 from pipeline.recipe import Gate, Recipe, load_recipe
-from pipeline.stage_log import VERBOSE_ENV
+from pipeline.run.stage_log import VERBOSE_ENV
 
 app = typer.Typer(
     name="mxspec",
@@ -42,7 +42,7 @@ def options(
                                           "vLLM) on the terminal instead of OUT/.mxspec/logs/<stage>.log")] = False,
 ) -> None:
     if verbose:
-        os.environ[VERBOSE_ENV] = "1"  # read by every stage this process runs (`pipeline.stage_log`)
+        os.environ[VERBOSE_ENV] = "1"  # read by every stage this process runs (`pipeline.run.stage_log`)
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe TOML file, e.g. recipes/reference-cpu.toml", show_default=False)]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="output folder; one subfolder per stage")]
@@ -98,7 +98,7 @@ def _guarded(command):
 @_guarded
 def recipe_check(recipe: RecipeArg) -> None:
     """Validate a recipe and print what it will run. Exit 2 with one line per problem."""
-    from pipeline.preflight import preflight
+    from pipeline.stages.preflight import preflight
 
     loaded = load_recipe(recipe)
     notes = preflight(loaded)
@@ -119,10 +119,10 @@ def plan(
 ) -> None:
     """Estimate the study before running it: its cells, longest first, and its wall time on one GPU, on
     one node of GPUS and on NODES such nodes. Estimates come from the recipe's [plan] rates."""
-    from pipeline.atomic import atomic_write_text, check_output_file
-    from pipeline.cells import read_timing
+    from pipeline.run.atomic import atomic_write_text, check_output_file
+    from pipeline.study.cells import read_timing
     from pipeline.errors import BadInputError
-    from pipeline.plan import plan_study
+    from pipeline.study.plan import plan_study
 
     if gpus < 1 or nodes < 1:
         raise BadInputError(f"--gpus {gpus} --nodes {nodes}: both must be at least 1")
@@ -196,9 +196,9 @@ def _size(n: int) -> str:
 
 
 def _memory_rows(recipe: Recipe) -> dict[str, str]:
-    """Sizes from the configs alone, `auto`'s quantize mode here, and the one-MI355X fit (pipeline.memory)."""
-    from pipeline.memory import IN_MEMORY_FACTOR
-    from pipeline.preflight import memory_plan
+    """Sizes from the configs alone, `auto`'s quantize mode here, and the one-MI355X fit (pipeline.quant.memory)."""
+    from pipeline.quant.memory import IN_MEMORY_FACTOR
+    from pipeline.stages.preflight import memory_plan
 
     plan = memory_plan(recipe)
     if isinstance(plan, str):
@@ -234,8 +234,8 @@ def run(
 
     Stages: resolve, quantize, pair, validate, gate, publish. Exits 1 when the gate does not pass
     (nothing is published then)."""
-    from pipeline.gate import raise_unless_passed
-    from pipeline.stages import run_pipeline
+    from pipeline.stages.gate import raise_unless_passed
+    from pipeline.entrypoints import run_pipeline
 
     results = run_pipeline(_recipe_on(recipe, executor, ray_address), out, until=until, force=tuple(force))
     done = ", ".join(f"{r.name} ({'skipped' if r.skipped else 'ran'})" for r in results)
@@ -248,7 +248,7 @@ def run(
 @_guarded
 def quantize(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     """Quantize the target to MXFP4 with AMD Quark into OUT/quantize/checkpoint (resolving it first)."""
-    from pipeline.stages import run_pipeline
+    from pipeline.entrypoints import run_pipeline
 
     run_pipeline(load_recipe(recipe), out, until="quantize")
     run = RunLayout(out)
@@ -259,7 +259,7 @@ def quantize(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
 @_guarded
 def pair(recipe: RecipeArg, out: OutOpt = Path("runs/latest")) -> None:
     """Check the drafter fits the target and is byte-for-byte unchanged; write the pair manifest."""
-    from pipeline.stages import run_pipeline
+    from pipeline.entrypoints import run_pipeline
 
     run_pipeline(load_recipe(recipe), out, until="pair")
     err.print(f"[green]paired[/] -> {RunLayout(out).pair} (launch commands inside)")
@@ -271,8 +271,8 @@ def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest"), executor: Exe
              ray_address: RayAddressOpt = None) -> None:
     """Measure acceptance (bf16 vs MXFP4) and throughput; write OUT/validate/report.{json,md} and figures.
     Each server and each reference (precision, workload) is a cell, kept when finished: run again to resume."""
-    from pipeline.artifacts import read_validate_report
-    from pipeline.stages import run_pipeline
+    from pipeline.run.artifacts import read_validate_report
+    from pipeline.entrypoints import run_pipeline
 
     run_pipeline(_recipe_on(recipe, executor, ray_address), out, until="validate")
     run = RunLayout(out)
@@ -297,9 +297,9 @@ def gate(
     and JUnit XML with one test case per (workload, budget)."""
     from contextlib import nullcontext
 
-    from pipeline.atomic import atomic_directory
-    from pipeline.gate import ICON, gate_report, write_gate_outputs
-    from pipeline.runner import hold_run_folder, is_run_folder
+    from pipeline.run.atomic import atomic_directory
+    from pipeline.stages.gate import ICON, gate_report, write_gate_outputs
+    from pipeline.run.runner import hold_run_folder, is_run_folder
 
     result = gate_report(report, load_recipe(recipe).gate if recipe else Gate())
     folder = Path(os.path.abspath(out or RunLayout(report.resolve().parent.parent).stage("gate")))

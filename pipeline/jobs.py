@@ -11,10 +11,10 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from pipeline.artifacts import PublishResult
+from pipeline.run.artifacts import PublishResult
 from pipeline.errors import BadInputError, MxspecError
-from pipeline.layout import RunLayout
-from pipeline.publish import PublishStage
+from pipeline.run.layout import RunLayout
+from pipeline.stages.publish import PublishStage
 from pipeline.recipe import Recipe
 
 
@@ -55,7 +55,7 @@ def _failed(recipe: Recipe, repo: str, message: str, exit_code: int, console) ->
 
 
 def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
-    from pipeline.stages import run_pipeline  # every stage's module, torch among them
+    from pipeline.entrypoints import run_pipeline  # every stage's module, torch among them
 
     if not recipe.publish.repo_id:
         raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")
@@ -69,7 +69,7 @@ def _publish_one(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
 
 
 def _plan_only(recipe: Recipe, out: Path, force: bool, console) -> JobOutcome:
-    from pipeline.stages import preview_publish
+    from pipeline.entrypoints import preview_publish
 
     if not recipe.publish.repo_id:
         raise BadInputError(f"{recipe.name}: [publish] repo_id is not set; add repo_id = 'owner/name' to the recipe")

@@ -230,7 +230,7 @@ a 27B-class target on one accelerator, to be replaced by measured rates."""
 
 
 class Cluster(_Section):
-    """Where validate's cells run (`pipeline.cells`): one at a time in this process, or as Ray tasks.
+    """Where validate's cells run (`pipeline.study.cells`): one at a time in this process, or as Ray tasks.
 
     Not part of any fingerprint: a cell measures the same wherever it runs."""
 

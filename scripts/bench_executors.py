@@ -76,11 +76,11 @@ def bench_study(out: Path, prompts: int | None) -> dict:
 def bench_shards(out: Path, layers: int) -> dict:
     from bench_quantize import build_checkpoint
 
-    from pipeline.checkpoint import read_checkpoint
-    from pipeline.exclusions import excluded_layers
-    from pipeline.file_to_file import quantize_file_to_file
-    from pipeline.quantize import _quant_config, plan_exclusions
-    from pipeline.ray_cells import ray_session
+    from pipeline.checkpoints.folder import read_checkpoint
+    from pipeline.quant.exclusions import excluded_layers
+    from pipeline.quant.file_to_file import quantize_file_to_file
+    from pipeline.stages.quantize import _quant_config, plan_exclusions
+    from pipeline.study.ray_executor import ray_session
     from pipeline.recipe import Cluster, Quantization
 
     source = out / "checkpoint"
@@ -146,7 +146,7 @@ class PeakRss:
 
 
 def planner() -> dict:
-    from pipeline.plan import plan_study
+    from pipeline.study.plan import plan_study
     from pipeline.recipe import load_recipe
 
     plan = plan_study(load_recipe(ROOT / "recipes" / "qwen3.5-27b-mxfp4.toml"), gpus_per_node=8, nodes=4)
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--skip-study", action="store_true", help="only the quantization and the planner")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from pipeline.versions import tool_versions
+    from pipeline.run.versions import tool_versions
 
     results = {"cpus": os.cpu_count(), "versions": tool_versions(),
                "study": None if args.skip_study else bench_study(args.out.resolve(), args.prompts),

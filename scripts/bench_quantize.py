@@ -4,7 +4,7 @@ Builds a random-weight `qwen3_5_text` checkpoint of at least 2 GB in two shards,
 flow in its own process (peak RSS is that process's own, imports included):
   - plain I/O: read every shard and write the same bytes (the floor for any file-to-file tool);
   - Quark's encode time: its per-weight MXFP4 quantizer on tensors already in memory;
-  - mxspec file-to-file (tensor-by-tensor streaming, pipeline/file_to_file.py);
+  - mxspec file-to-file (tensor-by-tensor streaming, pipeline/quant/file_to_file.py);
   - Quark's own file-to-file flow (`direct_quantize_checkpoint`, shard by shard);
   - Quark's example flow: load the whole model with transformers, quantize, freeze, export.
 It prints the targets: mxspec peak RSS <= 1.5x the largest input shard, and mxspec wall time <=
@@ -51,7 +51,7 @@ def build_checkpoint(folder: Path, layers: int) -> None:
     import torch
     import transformers
 
-    from pipeline.file_to_file import StreamingSafetensorsWriter
+    from pipeline.quant.file_to_file import StreamingSafetensorsWriter
 
     config = config_dict(layers)
     with torch.device("meta"):
@@ -103,9 +103,9 @@ def _quant_config(scheme: str, patterns: list[str]):
 
 
 def _plan(source: Path):
-    from pipeline.checkpoint import read_checkpoint
-    from pipeline.exclusions import excluded_layers
-    from pipeline.quantize import plan_exclusions
+    from pipeline.checkpoints.folder import read_checkpoint
+    from pipeline.quant.exclusions import excluded_layers
+    from pipeline.stages.quantize import plan_exclusions
     from pipeline.recipe import Quantization
 
     checkpoint = read_checkpoint(source)
@@ -136,7 +136,7 @@ def work_quark_encode(source: Path, out: Path) -> dict:
 
 
 def work_mxspec_file_to_file(source: Path, out: Path) -> dict:
-    from pipeline.file_to_file import quantize_file_to_file
+    from pipeline.quant.file_to_file import quantize_file_to_file
 
     _, patterns, quantized = _plan(source)
     config = _quant_config("mxfp4", patterns)

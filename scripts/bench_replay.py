@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.dflash import DFlashDrafter
-from pipeline.speculative import generate_online, replay_sequence
-from pipeline.validate import chat_ids, greedy_continuations
-from pipeline.workloads import load_prompts
+from pipeline.speculative.dflash import DFlashDrafter
+from pipeline.speculative.replay import generate_online, replay_sequence
+from pipeline.stages.validate import chat_ids, greedy_continuations
+from pipeline.study.workloads import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 

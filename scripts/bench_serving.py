@@ -31,19 +31,19 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.acceptance import AcceptanceStats
-from pipeline.atomic import atomic_write_text
-from pipeline.cells import CellStore
-from pipeline.dflash import DFlashDrafter
-from pipeline.layout import CHECKPOINT
+from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.run.atomic import atomic_write_text
+from pipeline.study.cells import CellStore
+from pipeline.speculative.dflash import DFlashDrafter
+from pipeline.run.layout import CHECKPOINT
 from pipeline.recipe import load_recipe
-from pipeline.resolve import read_resolved
-from pipeline.serving.benchmark import ServerCell, serve_matrix
-from pipeline.speculative import replay_as_vllm_counts, replay_sequence
-from pipeline.stages import run_pipeline
-from pipeline.validate import chat_ids, greedy_continuations, load_target
-from pipeline.versions import tool_versions
-from pipeline.workloads import load_prompts
+from pipeline.stages.resolve import read_resolved
+from pipeline.study.served import ServerCell, serve_matrix
+from pipeline.speculative.replay import replay_as_vllm_counts, replay_sequence
+from pipeline.entrypoints import run_pipeline
+from pipeline.stages.validate import chat_ids, greedy_continuations, load_target
+from pipeline.run.versions import tool_versions
+from pipeline.study.workloads import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = "gsm8k"

@@ -1,7 +1,7 @@
 """Build an FP8 block-scaled copy of a tiny bf16 Qwen3.5 checkpoint, in the layout of Qwen's FP8 releases.
 
 Every Linear weight is stored as float8 e4m3 with a float32 `weight_scale_inv` per 128 x 128 tile
-(`pipeline.fp8.quantize`: each tile's largest magnitude maps to 448), except the modules Qwen's FP8
+(`pipeline.checkpoints.fp8.quantize`: each tile's largest magnitude maps to 448), except the modules Qwen's FP8
 releases keep in bf16 (their `modules_to_not_convert`: lm_head, embeddings, GDN conv1d / in_proj_a /
 in_proj_b, MoE routers and shared-expert gates, the vision tower, mtp.fc). Fused expert tensors
 `[E, rows, cols]` get `[E, rows/128, cols/128]` scales; the MTP head's per-expert weights get their own.
@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from pipeline import fp8  # noqa: E402
-from pipeline.atomic import atomic_directory  # noqa: E402
-from pipeline.checkpoint import copy_side_files, linear_modules, shard_files, write_index  # noqa: E402
+from pipeline.checkpoints import fp8  # noqa: E402
+from pipeline.run.atomic import atomic_directory  # noqa: E402
+from pipeline.checkpoints.folder import copy_side_files, linear_modules, shard_files, write_index  # noqa: E402
 
 BLOCK = (128, 128)
 # The modules Qwen/Qwen3.5-397B-A17B-FP8 keeps in bf16 (its config's modules_to_not_convert, as patterns).

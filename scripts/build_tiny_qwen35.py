@@ -3,7 +3,7 @@
 Writes four directories under OUT_DIR, each through a temp dir + rename:
 
   qwen3.5-tiny/            Qwen3_5ForConditionalGeneration (`qwen3_5`): language model + vision tower
-  qwen3.5-tiny-dflash/     DFlash drafter for it (pipeline/dflash.py, random init)
+  qwen3.5-tiny-dflash/     DFlash drafter for it (pipeline/speculative/dflash.py, random init)
   qwen3.5-moe-tiny/        Qwen3_5MoeForCausalLM (`qwen3_5_moe_text`): text only, 8 routed experts
   qwen3.5-moe-tiny-dflash/ DFlash drafter for it
 
@@ -36,9 +36,9 @@ if str(ROOT) not in sys.path:  # runnable without installing the package
 
 import torch  # noqa: E402
 
-from pipeline.architectures import mtp_tensor_shapes  # noqa: E402
-from pipeline.atomic import atomic_directory  # noqa: E402
-from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights  # noqa: E402
+from pipeline.checkpoints.meta_models import mtp_tensor_shapes  # noqa: E402
+from pipeline.run.atomic import atomic_directory  # noqa: E402
+from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter, init_weights  # noqa: E402
 
 DENSE = "qwen3.5-tiny"
 MOE = "qwen3.5-moe-tiny"
@@ -278,7 +278,7 @@ def build_drafter(target_config: dict, out: Path, seed: int) -> DFlashConfig:
     init_weights(drafter, seed=seed)
     drafter.save_pretrained(out)
     (out / "SOURCE.md").write_text(
-        f"Random tiny DFlash drafter (pipeline/dflash.py, seed {seed}) for the tiny target beside it.\n"
+        f"Random tiny DFlash drafter (pipeline/speculative/dflash.py, seed {seed}) for the tiny target beside it.\n"
     )
     return cfg
 

@@ -1,5 +1,5 @@
 """Write the JSON Schema of every artifact mxspec writes into docs/schemas/ (run after changing a model
-in pipeline/artifacts.py; tests/test_artifacts.py fails while the files are stale)."""
+in pipeline/run/artifacts.py; tests/run/test_artifacts.py fails while the files are stale)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.artifacts import json_schemas  # noqa: E402
+from pipeline.run.artifacts import json_schemas  # noqa: E402
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the whole pipeline on the embedded default recipe, publishing to a local Hub.
 #
-# The real Hub is out of reach here, so the demo starts scripts/local_hub.py (the Hub stand-in the
+# The real Hub is out of reach here, so the demo starts tests/support/local_hub.py (the Hub stand-in the
 # publish tests use, speaking the Hub's HTTP protocol) with a throw-away token, points the Hub client
 # at it, runs `mxspec run`, and stops it. The published repo stays in runs/demo-hub/.
 #
@@ -14,7 +14,7 @@ BIN=.venv/bin
 RECIPE=recipes/reference-cpu.toml
 mkdir -p runs
 token="demo-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
-LOCAL_HUB_TOKEN="$token" "$BIN/python" scripts/local_hub.py --root runs/demo-hub >runs/demo-hub.url 2>runs/demo-hub.log &
+LOCAL_HUB_TOKEN="$token" "$BIN/python" -m tests.support.local_hub --root runs/demo-hub >runs/demo-hub.url 2>runs/demo-hub.log &
 hub=$!
 trap 'kill "$hub" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do grep -q "listening" runs/demo-hub.url 2>/dev/null && break; sleep 0.1; done

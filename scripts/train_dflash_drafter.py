@@ -9,7 +9,7 @@ token; a sampled response contributes contexts, while its labels stay what greed
 accepts). Block sizes 4, 8 and 16 are mixed so one drafter serves all three budgets.
 
 Prompts come from the tail of each workload's fixed order (index >= --heldout-from); validation uses
-the head, so no evaluated prompt is trained on (tests/test_dflash.py checks it). The last GSM8K tail
+the head, so no evaluated prompt is trained on (tests/speculative/test_dflash.py checks it). The last GSM8K tail
 prompts are kept out of training too, to pick the step to stop at (Ctrl-C also stops early and keeps
 the best drafter so far).
 
@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from pipeline.atomic import atomic_directory
-from pipeline.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
-from pipeline.hashing import HashCache, digest_of
-from pipeline.speculative import TargetHooks, draft_at_anchors, replay_acceptance
-from pipeline.validate import chat_ids
-from pipeline.workloads import all_prompts
+from pipeline.run.atomic import atomic_directory
+from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
+from pipeline.run.hashing import HashCache, digest_of
+from pipeline.speculative.replay import TargetHooks, draft_at_anchors, replay_acceptance
+from pipeline.stages.validate import chat_ids
+from pipeline.study.workloads import all_prompts
 
 TRAIN_MIX = {"gsm8k": 1255, "math500": 436, "mbpp": 436, "humaneval": 100, "mt-bench": 16}  # prompts per workload
 # The last GSM8K training prompts are kept out of training: the drafter saved is the one with the best

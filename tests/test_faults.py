@@ -1,7 +1,7 @@
 """Fault campaigns: `mxspec run` killed with SIGKILL at points spread over its stages, and a full disk.
 
 Every kill is followed by a rerun that must end with the artifacts of a clean run in the same folder,
-byte for byte except the fields the schemas declare volatile (`pipeline.artifacts.volatile_fields`:
+byte for byte except the fields the schemas declare volatile (`pipeline.run.artifacts.volatile_fields`:
 timings, measurements, the Hub's commit id). A kill point names the stage the run starts at (later
 stages not done yet, as in a first run) and when to kill: some time after the run announces the
 stage, or exactly at the run's n-th rename(2) (strace injects the SIGKILL there: before a manifest
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import PublishResult, StageManifest, volatile_fields
-from pipeline.layout import MANIFEST, RunLayout
-from pipeline.runner import read_manifest
-from tests.conftest import local_hub
+from pipeline.run.artifacts import PublishResult, StageManifest, volatile_fields
+from pipeline.run.layout import MANIFEST, RunLayout
+from pipeline.run.runner import read_manifest
+from tests.support import local_hub
 
 pytestmark = pytest.mark.slow
 TOKEN = "hf_fault_campaign_secret_77d1"
@@ -99,8 +99,8 @@ class Hub:
         self.runs += 1
         env = {**os.environ, "LOCAL_HUB_UPLOAD_DELAY_S": str(upload_delay_s)}
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(local_hub.__file__)), "--root", str(self.root / str(self.runs)),
-             "--port", str(self.port)], env={**env, "LOCAL_HUB_TOKEN": TOKEN},
+            [sys.executable, "-m", "tests.support.local_hub", "--root", str(self.root / str(self.runs)),
+             "--port", str(self.port)], cwd=local_hub.CHECKOUT, env={**env, "LOCAL_HUB_TOKEN": TOKEN},
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert "listening" in self.proc.stdout.readline()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -4,17 +4,22 @@ the gate, then publishing to a local Hub over real HTTP, then resumed (nothing r
 The 135M reference target loses acceptance under MXFP4 (README), so on this pair the gate is
 expected to fail: `mxspec run` must then exit 1 and publish nothing, and only an explicit
 `mxspec publish --force` may upload it, with the card saying the gate did not pass. The pass path of
-`mxspec run` through publish is covered on the tiny Qwen3.5 pair (tests/test_publish.py)."""
+`mxspec run` through publish is covered on the tiny Qwen3.5 pair (tests/stages/test_publish.py)."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
+import sys
+import tarfile
 
 import pytest
 from huggingface_hub import HfApi
 
-from tests.conftest import RECIPES, local_hub
+from tests.conftest import RECIPES, ROOT, cli_env, tiny_reference_recipe
+from tests.support import local_hub
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")]
 TOKEN = "hf_pipeline_test_secret_77aa"
@@ -80,3 +85,34 @@ def test_run_end_to_end_then_resume(mxspec, tmp_path, reference_target):
     finally:
         hub.kill()
         hub.wait()
+
+
+FLAT_LAYOUT = "a287ae76ba78c1ce55fdca04a3cd77cc89508aae"  # the last commit before the package was grouped by job
+
+
+def test_a_run_made_with_the_flat_layout_is_up_to_date_after_the_regrouping(tmp_path, tiny):
+    """Fingerprints are made of stage names and versions, recipe sections, input hashes and tool versions,
+    never module paths, so a run folder written before `pipeline/` was grouped into subpackages resumes
+    with every stage skipped (the cells included)."""
+    flat = tmp_path / "flat"
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", FLAT_LAYOUT, "pipeline", "calibration"],
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(flat, filter="data")
+    recipe = tiny_reference_recipe(tmp_path, tiny)
+    out = tmp_path / "run"
+    cli = [sys.executable, "-c", "import sys, pipeline; from pipeline.cli import main; "
+           "print(pipeline.__file__, file=sys.stderr); sys.exit(main())"]
+    argv = ["run", str(recipe), "--out", str(out), "--until", "gate"]
+
+    before = subprocess.run([*cli, *argv], env={**os.environ, "PYTHONPATH": str(flat)}, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=900)
+    assert before.stderr.startswith(str(flat / "pipeline" / "__init__.py")), before.stderr[:300]
+    assert before.returncode in (0, 1) and "run complete" in before.stderr, before.stderr[-2000:]
+    assert "validate (ran)" in before.stderr
+
+    after = subprocess.run([*cli, *argv], env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert after.stderr.startswith(str(ROOT / "pipeline" / "__init__.py")), after.stderr[:300]
+    assert after.returncode == before.returncode, after.stderr[-2000:]
+    stages = ("resolve", "quantize", "pair", "validate", "gate")
+    assert ", ".join(f"{stage} (skipped)" for stage in stages) in after.stderr, after.stderr[-2000:]

@@ -65,8 +65,8 @@ def test_section_hash_changes_only_with_its_sections(tmp_path):
 
 
 def test_the_prompt_source_is_part_of_validates_fingerprint_only(tmp_path):
-    from pipeline.quantize import QuantizeStage
-    from pipeline.validate import ValidateStage
+    from pipeline.stages.quantize import QuantizeStage
+    from pipeline.stages.validate import ValidateStage
 
     base = load_recipe(write(tmp_path, MINIMAL))
     hub = load_recipe(write(tmp_path, MINIMAL + "[validation]\nprompt_source = 'hub'\n"))

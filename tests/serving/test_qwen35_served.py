@@ -18,17 +18,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.acceptance import AcceptanceStats
-from pipeline.artifacts import read_artifact
-from pipeline.cells import RESULT_FILE
-from pipeline.dflash import DFlashDrafter
-from pipeline.mtp import load_mtp_head, replay_mtp_as_vllm_counts
+from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.run.artifacts import read_artifact
+from pipeline.study.cells import RESULT_FILE
+from pipeline.speculative.dflash import DFlashDrafter
+from pipeline.speculative.mtp import load_mtp_head, replay_mtp_as_vllm_counts
 from pipeline.recipe import load_recipe
-from pipeline.serving.benchmark import ServedCell
-from pipeline.speculative import replay_as_vllm_counts
-from pipeline.stages import run_pipeline
-from pipeline.validate import chat_ids, load_target
-from pipeline.workloads import load_prompts
+from pipeline.study.served import ServedCell
+from pipeline.speculative.replay import replay_as_vllm_counts
+from pipeline.entrypoints import run_pipeline
+from pipeline.stages.validate import chat_ids, load_target
+from pipeline.study.workloads import load_prompts
 from tests.conftest import RECIPES
 
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_speculative_servers_write_ar_greedy_text(served):
 
 
 def test_served_acceptance_is_close_to_the_reference_backend_on_the_same_prompts(served):
-    """The reference backend replays the DFlash drafter and (`pipeline.mtp`) the MTP head on its own greedy
+    """The reference backend replays the DFlash drafter and (`pipeline.speculative.mtp`) the MTP head on its own greedy
     text; served rows carry its AL beside vLLM's."""
     report, *_ = served
     for row in report["serving"]:
@@ -135,8 +135,8 @@ def _per_prompt_replays(cell: ServedCell, tokenizer, replay) -> list[tuple[str, 
 
 def test_served_bf16_dflash_accepts_exactly_what_the_reference_replay_accepts_on_the_served_text(served, tiny):
     """Per prompt, vLLM's counts (from /metrics) equal the reference drafter's replay over the text the
-    server wrote, replayed untrimmed as vLLM counts (tests/serving/test_benchmark.py states the rule on
-    the reference pair): the DFlash drafter drafts in vLLM as `pipeline.dflash` does on a hybrid target."""
+    server wrote, replayed untrimmed as vLLM counts (tests/study/test_served.py states the rule on
+    the reference pair): the DFlash drafter drafts in vLLM as `pipeline.speculative.dflash` does on a hybrid target."""
     _, out, _, _, name = served
     target_name, drafter_name, *_ = TARGETS[name]
     target = load_target(tiny / target_name, "bf16")
@@ -150,7 +150,7 @@ def test_served_bf16_dflash_accepts_exactly_what_the_reference_replay_accepts_on
 
 @pytest.mark.parametrize("served", ["dense"], indirect=True)  # the targets that serve MTP (module docstring)
 def test_served_bf16_mtp_accepts_exactly_what_the_mtp_replay_accepts_on_the_served_text(served, tiny):
-    """The same rule for the MTP head (`pipeline.mtp`, chained drafts over the head's KV as vLLM keeps it):
+    """The same rule for the MTP head (`pipeline.speculative.mtp`, chained drafts over the head's KV as vLLM keeps it):
     the PyTorch head drafts what vLLM's `Qwen3_5MTP` drafts from the checkpoint's `mtp.*` tensors."""
     _, out, _, methods, name = served
     assert "mtp" in methods

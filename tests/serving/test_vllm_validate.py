@@ -21,7 +21,7 @@ import time
 import pytest
 
 from pipeline.recipe import SERVED_SUBSET, load_recipe
-from pipeline.stages import run_pipeline
+from pipeline.entrypoints import run_pipeline
 from tests.conftest import RECIPES, REFERENCE_TARGET, cli_env, processes
 
 pytestmark = pytest.mark.slow
@@ -107,7 +107,7 @@ def test_report_has_the_serving_tables_and_figures(served):
 def test_served_acceptance_is_paired_by_prompt_at_every_concurrency(served):
     """vLLM's per-request metrics: at concurrency 1 they equal the /metrics deltas around each request,
     at 3 they add up to the server's counters, and they give paired drift rows there."""
-    from pipeline.acceptance import AcceptanceStats
+    from pipeline.speculative.acceptance import AcceptanceStats
 
     report, out = served
     assert report["per_request_acceptance"] is True

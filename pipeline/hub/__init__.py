@@ -1,0 +1,1 @@
+"""How mxspec reaches the Hugging Face Hub: the offline switch and endpoint."""

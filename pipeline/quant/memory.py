@@ -1,0 +1,340 @@
+"""How big a Qwen3.5 target is in bf16 and in MXFP4, and whether its MXFP4 export plus its drafter fit
+one MI355X, from config.json alone (no weights, no torch).
+
+`checkpoint_tensors` spells out every tensor a Qwen3.5 checkpoint carries (the language model, lm_head,
+the vision tower, the MTP head) from the config. Tests hold it to transformers' own layout on the meta
+device (`pipeline.checkpoints.meta_models`) name for name and shape for shape, and to the tiny checkpoints'
+safetensors headers.
+
+Bytes:
+  bf16    2 per element. (Real checkpoints appear to keep each gated-delta-net layer's A_log and norm in
+          float32: two published totals exceed 2 bytes x parameters by exactly that, a few KB, ignored.)
+  mxfp4   a quantized Linear weight [out, in] takes out*in/2 bytes of packed e2m1 and out*in/32 e8m0
+          scales (`pipeline.quant.mxfp4`); every other tensor, and every Linear the exclusion patterns keep,
+          stays bf16.
+Serving one sequence of L tokens holds, besides the weights: bf16 K and V for each full-attention layer
+of the target (and of its MTP layer, or of the DFlash drafter) per token, and for each gated-delta-net
+layer a recurrent state [value heads, key dim, value dim] (`mamba_ssm_dtype`, float32) plus a bf16
+convolution state [conv dim, kernel - 1], times the extra blocks speculation keeps. Activations, CUDA graphs and fragmentation are not counted. Like vLLM at start-up, a pair fits
+when the weights and one sequence of `max_model_len` tokens fit in `gpu_memory_utilization` of the GPUs;
+the plan also says how many such sequences fit at once (shorter ones share the rest).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.checkpoints.folder import has_mtp_head, linear_modules, text_config
+from pipeline.quant.exclusions import excluded_layers
+from pipeline.checkpoints.fp8 import block_size, is_fp8_source
+from pipeline.quant.mxfp4 import GROUP_SIZE
+
+MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet "288 GB"; if that means GiB, this errs low
+BF16_BYTES = 2
+FLOAT32_BYTES = 4
+# A bf16 checkpoint quantizes in memory when this many times its size is free: the model, its quantized
+# copy and Quark's working set. `quantize.choose_mode` applies it.
+IN_MEMORY_FACTOR = 2.5
+# Bytes per element of a model held in memory to quantize it: bf16 as stored; an FP8 source dequantized to
+# float32, the precision Quark's FP8 flow encodes from (`pipeline.checkpoints.fp8`).
+IN_MEMORY_BYTES_PER_ELEMENT = {"bf16": BF16_BYTES, "fp8": FLOAT32_BYTES}
+
+
+def _full_attention(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads, kv, head_dim = (int(text[k]) for k in ("hidden_size", "num_attention_heads",
+                                                         "num_key_value_heads", "head_dim"))
+    gate = 2 if text.get("attn_output_gate") else 1  # the output gate doubles q_proj's rows
+    return {f"{prefix}.self_attn.q_proj.weight": (heads * head_dim * gate, hidden),
+            f"{prefix}.self_attn.k_proj.weight": (kv * head_dim, hidden),
+            f"{prefix}.self_attn.v_proj.weight": (kv * head_dim, hidden),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{prefix}.self_attn.q_norm.weight": (head_dim,),
+            f"{prefix}.self_attn.k_norm.weight": (head_dim,)}
+
+
+def _gated_delta_net(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden = int(text["hidden_size"])
+    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    p = f"{prefix}.linear_attn"
+    return {f"{p}.dt_bias": (v_heads,), f"{p}.A_log": (v_heads,),
+            f"{p}.conv1d.weight": (conv_dim, 1, int(text["linear_conv_kernel_dim"])),
+            f"{p}.norm.weight": (v_dim,),
+            f"{p}.out_proj.weight": (hidden, v_heads * v_dim),
+            f"{p}.in_proj_qkv.weight": (conv_dim, hidden),
+            f"{p}.in_proj_z.weight": (v_heads * v_dim, hidden),
+            f"{p}.in_proj_b.weight": (v_heads, hidden),
+            f"{p}.in_proj_a.weight": (v_heads, hidden)}
+
+
+def _mlp(prefix: str, text: dict[str, Any], per_expert: bool) -> dict[str, tuple[int, ...]]:
+    hidden = int(text["hidden_size"])
+    p = f"{prefix}.mlp"
+    if "num_experts" not in text:
+        inter = int(text["intermediate_size"])
+        return {f"{p}.gate_proj.weight": (inter, hidden), f"{p}.up_proj.weight": (inter, hidden),
+                f"{p}.down_proj.weight": (hidden, inter)}
+    experts, inter, shared = (int(text[k]) for k in ("num_experts", "moe_intermediate_size",
+                                                    "shared_expert_intermediate_size"))
+    shapes: dict[str, tuple[int, ...]] = {f"{p}.gate.weight": (experts, hidden)}
+    if per_expert:  # how MTP layers store them
+        for e in range(experts):
+            shapes |= {f"{p}.experts.{e}.gate_proj.weight": (inter, hidden),
+                       f"{p}.experts.{e}.up_proj.weight": (inter, hidden),
+                       f"{p}.experts.{e}.down_proj.weight": (hidden, inter)}
+    else:
+        shapes |= {f"{p}.experts.gate_up_proj": (experts, 2 * inter, hidden),
+                   f"{p}.experts.down_proj": (experts, hidden, inter)}
+    return shapes | {f"{p}.shared_expert.gate_proj.weight": (shared, hidden),
+                     f"{p}.shared_expert.up_proj.weight": (shared, hidden),
+                     f"{p}.shared_expert.down_proj.weight": (hidden, shared),
+                     f"{p}.shared_expert_gate.weight": (1, hidden)}
+
+
+def _decoder_layer(prefix: str, text: dict[str, Any], kind: str, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
+    hidden = int(text["hidden_size"])
+    mixer = _full_attention(prefix, text) if kind == "full_attention" else _gated_delta_net(prefix, text)
+    return mixer | _mlp(prefix, text, per_expert) | {f"{prefix}.input_layernorm.weight": (hidden,),
+                                                     f"{prefix}.post_attention_layernorm.weight": (hidden,)}
+
+
+def _vision_tower(vision: dict[str, Any], prefix: str = "model.visual") -> dict[str, tuple[int, ...]]:
+    hidden, inter, depth = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["depth"])
+    patch, temporal, channels = int(vision["patch_size"]), int(vision["temporal_patch_size"]), int(vision["in_channels"])
+    merged = hidden * int(vision["spatial_merge_size"]) ** 2
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}.patch_embed.proj.weight": (hidden, channels, temporal, patch, patch),
+        f"{prefix}.patch_embed.proj.bias": (hidden,),
+        f"{prefix}.pos_embed.weight": (int(vision["num_position_embeddings"]), hidden)}
+    for i in range(depth):
+        b = f"{prefix}.blocks.{i}"
+        shapes |= {f"{b}.norm1.weight": (hidden,), f"{b}.norm1.bias": (hidden,),
+                   f"{b}.norm2.weight": (hidden,), f"{b}.norm2.bias": (hidden,),
+                   f"{b}.attn.qkv.weight": (3 * hidden, hidden), f"{b}.attn.qkv.bias": (3 * hidden,),
+                   f"{b}.attn.proj.weight": (hidden, hidden), f"{b}.attn.proj.bias": (hidden,),
+                   f"{b}.mlp.linear_fc1.weight": (inter, hidden), f"{b}.mlp.linear_fc1.bias": (inter,),
+                   f"{b}.mlp.linear_fc2.weight": (hidden, inter), f"{b}.mlp.linear_fc2.bias": (hidden,)}
+    out = int(vision["out_hidden_size"])
+    return shapes | {f"{prefix}.merger.norm.weight": (hidden,), f"{prefix}.merger.norm.bias": (hidden,),
+                     f"{prefix}.merger.linear_fc1.weight": (merged, merged), f"{prefix}.merger.linear_fc1.bias": (merged,),
+                     f"{prefix}.merger.linear_fc2.weight": (out, merged), f"{prefix}.merger.linear_fc2.bias": (out,)}
+
+
+def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The `mtp.*` tensors: `fc` [H, 2H], three norms and full-attention decoder layers whose routed
+    experts are stored per expert (as Qwen3.5-35B-A3B's checkpoint has them)."""
+    text = text_config(config)
+    hidden = int(text["hidden_size"])
+    layers = int(text.get("mtp_num_hidden_layers", 0) or 0)
+    if layers == 0:
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
+                                          "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                                          "mtp.pre_fc_norm_hidden.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= _decoder_layer(f"mtp.layers.{i}", text, "full_attention", per_expert=True)
+    return shapes
+
+
+def checkpoint_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen3.5 checkpoint (dense or MoE, with or without a vision tower): name -> shape."""
+    text = text_config(config)
+    multimodal = "vision_config" in config
+    # as Qwen3.5 checkpoints name it (the tiny text-only MoE too); transformers' text-only classes map it to `model.`
+    lm = "model.language_model"
+    hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+    shapes: dict[str, tuple[int, ...]] = {f"{lm}.embed_tokens.weight": (vocab, hidden)}
+    for i, kind in enumerate(text["layer_types"]):
+        shapes |= _decoder_layer(f"{lm}.layers.{i}", text, kind)
+    shapes[f"{lm}.norm.weight"] = (hidden,)
+    if not (text.get("tie_word_embeddings") or config.get("tie_word_embeddings")):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    if multimodal:
+        shapes |= _vision_tower(config["vision_config"])
+    return shapes | mtp_tensor_shapes(config)
+
+
+def drafter_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A DFlash drafter's own tensors (z-lab's DFlashDraftModel): it borrows the target's embedding and
+    lm_head. `fc` maps the concatenated target layers' hidden states to the drafter's width."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    taps = len(config["dflash_config"]["target_layer_ids"])
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (hidden, taps * hidden), "hidden_norm.weight": (hidden,),
+                                          "norm.weight": (hidden,)}
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"layers.{i}"
+        shapes |= {f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+                   f"{p}.self_attn.k_proj.weight": (kv * head_dim, hidden),
+                   f"{p}.self_attn.v_proj.weight": (kv * head_dim, hidden),
+                   f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+                   f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,),
+                   f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
+                   f"{p}.mlp.down_proj.weight": (hidden, inter),
+                   f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,)}
+    return shapes
+
+
+def bf16_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for shape in tensors.values()) * BF16_BYTES
+
+
+def mxfp4_bytes(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
+    """The MXFP4 export's tensor bytes: Linear weights not matched by `exclude` packed, the rest bf16."""
+    total = 0
+    for name, shape in tensors.items():
+        modules = linear_modules(name, shape)
+        if not modules:
+            total += math.prod(shape) * BF16_BYTES
+        kept = excluded_layers(modules, exclude)
+        for module, (rows, cols) in modules.items():
+            if module in kept or cols % GROUP_SIZE:
+                total += rows * cols * BF16_BYTES
+            else:
+                total += rows * cols // 2 + rows * cols // GROUP_SIZE
+    return total
+
+
+def fp8_bytes(tensors: dict[str, tuple[int, ...]], config: dict[str, Any]) -> int:
+    """An FP8 block-scaled checkpoint's tensor bytes (Qwen's FP8 releases, `pipeline.checkpoints.fp8`): each Linear
+    weight not in `modules_to_not_convert` is e4m3 (1 byte per element) with a float32 `weight_scale_inv`
+    per tile; the rest bf16. Routed experts are counted per expert."""
+    rows_block, cols_block = block_size(config)
+    keep = set(config["quantization_config"].get("modules_to_not_convert") or [])
+    total = 0
+    for name, shape in tensors.items():
+        modules = linear_modules(name, shape)
+        if not modules:
+            total += math.prod(shape) * BF16_BYTES
+        for module, (rows, cols) in modules.items():
+            if module in keep:
+                total += rows * cols * BF16_BYTES
+            else:
+                tiles = -(-rows // rows_block) * -(-cols // cols_block)
+                total += rows * cols + tiles * FLOAT32_BYTES
+    return total
+
+
+def source_format(config: dict[str, Any]) -> Literal["bf16", "fp8"]:
+    return "fp8" if is_fp8_source(config) else "bf16"
+
+
+def quantize_mode_for(checkpoint_bytes: int, available_bytes: int,
+                      quantizes_mtp_head: bool = False) -> Literal["in_memory", "file_to_file"]:
+    """What `mode = "auto"` picks: file to file for a quantized MTP head (transformers builds no MTP head,
+    so in memory Quark never sees it), else in memory when the checkpoint fits IN_MEMORY_FACTOR times in
+    free RAM."""
+    if quantizes_mtp_head:
+        return "file_to_file"
+    return "in_memory" if checkpoint_bytes * IN_MEMORY_FACTOR < available_bytes else "file_to_file"
+
+
+def available_memory_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default when a recipe sets none
+
+
+class MemoryPlan(BaseModel):
+    """One recipe's sizes and its one-GPU fit (bytes; GB = 1e9 bytes in what people read)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source_format: Literal["bf16", "fp8"]
+    source_bytes: int  # the source checkpoint's tensors, in its format
+    mxfp4_bytes: int
+    drafter_bytes: int | None  # None: the drafter's config is not known here, so it is not counted
+    quantize_mode_here: Literal["in_memory", "file_to_file"]
+    quantizes_mtp_head: bool  # quantize_mtp on a target with an MTP head: auto then quantizes file to file
+    available_bytes: int
+    max_model_len: int
+    tensor_parallel_size: int
+    largest_server: Literal["ar", "mtp", "dflash"]  # the method whose server needs the most memory
+    sequence_bytes: int  # its one sequence of max_model_len: KV caches and gated-delta-net states
+    gpu_bytes: int
+    gpu_memory_utilization: float
+    need_bytes_per_gpu: int  # its weights and one sequence of max_model_len, split across the GPUs
+    fits: bool
+    full_length_sequences: int  # how many sequences of max_model_len fit at once on it
+
+
+def kv_bytes(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: bool, tokens: int) -> int:
+    """bf16 K and V of one sequence of `tokens` tokens: the target's full-attention layers, its MTP layers
+    when MTP runs, and the drafter's layers (a sliding-window layer keeps at most its window)."""
+    text = text_config(config)
+    per_token = 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * BF16_BYTES
+    layers = list(text["layer_types"]).count("full_attention")
+    layers += int(text.get("mtp_num_hidden_layers", 0) or 0) if with_mtp else 0
+    total = layers * per_token * tokens
+    if drafter is not None:
+        heads = int(drafter["num_attention_heads"])
+        head_dim = int(drafter.get("head_dim") or int(drafter["hidden_size"]) // heads)
+        per_token = 2 * int(drafter["num_key_value_heads"]) * head_dim * BF16_BYTES
+        kinds = drafter.get("layer_types") or ["full_attention"] * int(drafter["num_hidden_layers"])
+        window = drafter.get("sliding_window") or tokens
+        total += sum(per_token * (min(tokens, window) if kind == "sliding_attention" else tokens) for kind in kinds)
+    return total
+
+
+def state_bytes_per_sequence(config: dict[str, Any], speculative_tokens: int = 0) -> int:
+    """Gated-delta-net states of one sequence. vLLM keeps 1 + `speculative_tokens` state blocks per request
+    when it speculates, each with a convolution window of kernel - 1 + `speculative_tokens` columns
+    (`vllm/model_executor/layers/mamba/mamba_utils.py`)."""
+    text = text_config(config)
+    layers = list(text["layer_types"]).count("linear_attention")
+    if layers == 0:
+        return 0
+    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    ssm_bytes = BF16_BYTES if text.get("mamba_ssm_dtype") in ("bfloat16", "float16") else FLOAT32_BYTES
+    recurrent = v_heads * k_dim * v_dim * ssm_bytes
+    columns = int(text["linear_conv_kernel_dim"]) - 1 + speculative_tokens
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * columns * BF16_BYTES
+    return layers * (1 + speculative_tokens) * (recurrent + conv)
+
+
+def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude: list[str], *,
+                max_model_len: int | None, methods: tuple[str, ...] = ("ar", "mtp", "dflash"),
+                speculative_tokens: int = 0, tensor_parallel_size: int = 1,
+                gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION, gpu_bytes: int = MI355X_BYTES,
+                available_bytes: int | None = None, quantize_mtp: bool = False) -> MemoryPlan:
+    """Sizes of the target (source format, MXFP4) and drafter, `auto`'s quantize mode on this machine, and
+    whether the largest server of `methods` (one method per server: MTP adds its layer's KV, DFlash the
+    drafter's weights and KV; both keep 1 + `speculative_tokens` state blocks) with one sequence of
+    `max_model_len` tokens (the model's own limit when None) fits on `tensor_parallel_size` GPUs of
+    `gpu_bytes`. Weights and caches are split evenly; at TP > 1 vLLM replicates KV heads when there are
+    fewer than GPUs, which this does not count."""
+    tensors = checkpoint_tensors(config)
+    fmt = source_format(config)
+    bf16 = bf16_bytes(tensors)
+    source = fp8_bytes(tensors, config) if fmt == "fp8" else bf16
+    mxfp4 = mxfp4_bytes(tensors, exclude)
+    drafter_size = bf16_bytes(drafter_tensors(drafter)) if drafter is not None else None
+    length = max_model_len or int(text_config(config)["max_position_embeddings"])
+    servers = {  # method -> (weights, one sequence)
+        "ar": (mxfp4, kv_bytes(config, None, False, length) + state_bytes_per_sequence(config)),
+        "mtp": (mxfp4, kv_bytes(config, None, True, length) + state_bytes_per_sequence(config, speculative_tokens)),
+        "dflash": (mxfp4 + (drafter_size or 0),
+                   kv_bytes(config, drafter, False, length) + state_bytes_per_sequence(config, speculative_tokens)),
+    }
+    largest = max((m for m in servers if m in methods), key=lambda m: sum(servers[m]))
+    weights, sequence = servers[largest]
+    budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    quantizes_mtp_head = quantize_mtp and has_mtp_head(config)
+    return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
+                      quantize_mode_here=quantize_mode_for(
+                          bf16 // BF16_BYTES * IN_MEMORY_BYTES_PER_ELEMENT[fmt], available, quantizes_mtp_head),
+                      quantizes_mtp_head=quantizes_mtp_head,
+                      available_bytes=available,
+                      max_model_len=length, tensor_parallel_size=tensor_parallel_size, largest_server=largest,
+                      sequence_bytes=sequence, gpu_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                      need_bytes_per_gpu=(weights + sequence) // tensor_parallel_size,
+                      fits=weights + sequence <= budget, full_length_sequences=max(0, (budget - weights) // sequence))
