@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.errors import MxspecError
-from pipeline.run.layout import RunLayout
+from pipeline.errors import MxspecError, NotSizedError
 from pipeline.recipe import Gate, Recipe, load_recipe
+from pipeline.run.layout import RunLayout
 from pipeline.run.stage_log import VERBOSE_ENV
 
 app = typer.Typer(
@@ -119,9 +119,9 @@ def plan(
 ) -> None:
     """Estimate the study before running it: its cells, longest first, and its wall time on one GPU, on
     one node of GPUS and on NODES such nodes. Estimates come from the recipe's [plan] rates."""
+    from pipeline.errors import BadInputError
     from pipeline.run.atomic import atomic_write_text, check_output_file
     from pipeline.study.cells import read_timing
-    from pipeline.errors import BadInputError
     from pipeline.study.plan import plan_study
 
     if gpus < 1 or nodes < 1:
@@ -200,9 +200,10 @@ def _memory_rows(recipe: Recipe) -> dict[str, str]:
     from pipeline.quant.memory import IN_MEMORY_FACTOR
     from pipeline.stages.preflight import memory_plan
 
-    plan = memory_plan(recipe)
-    if isinstance(plan, str):
-        return {"memory plan": f"- ({plan})"}
+    try:
+        plan = memory_plan(recipe)
+    except NotSizedError as why:
+        return {"memory plan": f"- ({why})"}
     per_gpu = int(plan.gpu_bytes * plan.gpu_memory_utilization)
     drafter = f"drafter {_size(plan.drafter_bytes)}" if plan.drafter_bytes is not None else \
         "drafter config not known here (not counted)"
@@ -234,8 +235,8 @@ def run(
 
     Stages: resolve, quantize, pair, validate, gate, publish. Exits 1 when the gate does not pass
     (nothing is published then)."""
-    from pipeline.stages.gate import raise_unless_passed
     from pipeline.entrypoints import run_pipeline
+    from pipeline.stages.gate import raise_unless_passed
 
     results = run_pipeline(_recipe_on(recipe, executor, ray_address), out, until=until, force=tuple(force))
     done = ", ".join(f"{r.name} ({'skipped' if r.skipped else 'ran'})" for r in results)
@@ -271,8 +272,8 @@ def validate(recipe: RecipeArg, out: OutOpt = Path("runs/latest"), executor: Exe
              ray_address: RayAddressOpt = None) -> None:
     """Measure acceptance (bf16 vs MXFP4) and throughput; write OUT/validate/report.{json,md} and figures.
     Each server and each reference (precision, workload) is a cell, kept when finished: run again to resume."""
-    from pipeline.run.artifacts import read_validate_report
     from pipeline.entrypoints import run_pipeline
+    from pipeline.run.artifacts import read_validate_report
 
     run_pipeline(_recipe_on(recipe, executor, ray_address), out, until="validate")
     run = RunLayout(out)
@@ -298,8 +299,8 @@ def gate(
     from contextlib import nullcontext
 
     from pipeline.run.atomic import atomic_directory
-    from pipeline.stages.gate import ICON, gate_report, write_gate_outputs
     from pipeline.run.runner import hold_run_folder, is_run_folder
+    from pipeline.stages.gate import ICON, gate_report, write_gate_outputs
 
     result = gate_report(report, load_recipe(recipe).gate if recipe else Gate())
     folder = Path(os.path.abspath(out or RunLayout(report.resolve().parent.parent).stage("gate")))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from pipeline.run.artifacts import PublishResult
 from pipeline.errors import BadInputError, MxspecError
+from pipeline.recipe import Recipe
+from pipeline.run.artifacts import PublishResult
 from pipeline.run.layout import RunLayout
 from pipeline.stages.publish import PublishStage
-from pipeline.recipe import Recipe
 
 
 @dataclass(frozen=True)

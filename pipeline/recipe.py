@@ -341,22 +341,23 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError(f"{path}: recipe not found; pass the path of a .toml file (see recipes/)") from None
+        raise RecipeError(f"{path}: recipe not found; pass the path of a .toml file (see recipes/)", path=path) from None
     except UnicodeDecodeError:
-        raise RecipeError(f"{path}: the recipe is not UTF-8 text; pass a UTF-8 .toml file") from None
+        raise RecipeError(f"{path}: the recipe is not UTF-8 text; pass a UTF-8 .toml file", path=path) from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc.__class__.__name__}); "
-                          "pass a readable .toml file") from exc
+                          "pass a readable .toml file", path=path) from exc
     if not text.strip():
-        raise RecipeError(f"{path}: the recipe is empty; start from one in recipes/ (e.g. recipes/reference-cpu.toml)")
+        raise RecipeError(f"{path}: the recipe is empty; start from one in recipes/ (e.g. recipes/reference-cpu.toml)",
+                          path=path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{path}: not valid TOML: {exc}") from exc
+        raise RecipeError(f"{path}: not valid TOML: {exc}", path=path) from exc
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(_explain(path, text, exc)) from exc
+        raise RecipeError(_explain(path, text, exc), path=path) from exc
     return _resolve_paths(recipe, path.parent.resolve())
 
 

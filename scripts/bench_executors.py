@@ -79,9 +79,9 @@ def bench_shards(out: Path, layers: int) -> dict:
     from pipeline.checkpoints.folder import read_checkpoint
     from pipeline.quant.exclusions import excluded_layers
     from pipeline.quant.file_to_file import quantize_file_to_file
+    from pipeline.recipe import Cluster, Quantization
     from pipeline.stages.quantize import _quant_config, plan_exclusions
     from pipeline.study.ray_executor import ray_session
-    from pipeline.recipe import Cluster, Quantization
 
     source = out / "checkpoint"
     if not (source / "config.json").exists():
@@ -146,8 +146,8 @@ class PeakRss:
 
 
 def planner() -> dict:
-    from pipeline.study.plan import plan_study
     from pipeline.recipe import load_recipe
+    from pipeline.study.plan import plan_study
 
     plan = plan_study(load_recipe(ROOT / "recipes" / "qwen3.5-27b-mxfp4.toml"), gpus_per_node=8, nodes=4)
     return {"cells": len(plan.cells), "hours": {f"{s.nodes} x {s.gpus_per_node} GPUs": s.wall_s / 3600 for s in plan.schedules}}

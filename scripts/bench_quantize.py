@@ -105,8 +105,8 @@ def _quant_config(scheme: str, patterns: list[str]):
 def _plan(source: Path):
     from pipeline.checkpoints.folder import read_checkpoint
     from pipeline.quant.exclusions import excluded_layers
-    from pipeline.stages.quantize import plan_exclusions
     from pipeline.recipe import Quantization
+    from pipeline.stages.quantize import plan_exclusions
 
     checkpoint = read_checkpoint(source)
     patterns = plan_exclusions(checkpoint, Quantization(scheme="mxfp4"))
@@ -116,9 +116,8 @@ def _plan(source: Path):
 
 def work_quark_encode(source: Path, out: Path) -> dict:
     """Quark's per-weight MXFP4 routine on each quantized weight, timed without any I/O."""
-    from safetensors import safe_open
-
     from quark.torch.quantization.file2file_quantization import _single_stage_quantize_weight
+    from safetensors import safe_open
 
     checkpoint, patterns, quantized = _plan(source)
     weight_config = _quant_config("mxfp4", patterns).global_quant_config.weight
@@ -160,7 +159,6 @@ def work_quark_example(source: Path, out: Path) -> dict:
     """Quark's documented flow: load the whole model, quantize, freeze, export."""
     import torch
     import transformers
-
     from quark.torch import ModelQuantizer, export_safetensors
 
     _, patterns, _ = _plan(source)

@@ -31,18 +31,18 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.speculative.acceptance import AcceptanceStats
-from pipeline.run.atomic import atomic_write_text
-from pipeline.study.cells import CellStore
-from pipeline.speculative.dflash import DFlashDrafter
-from pipeline.run.layout import CHECKPOINT
-from pipeline.recipe import load_recipe
-from pipeline.stages.resolve import read_resolved
-from pipeline.study.served import ServerCell, serve_matrix
-from pipeline.speculative.replay import replay_as_vllm_counts, replay_sequence
 from pipeline.entrypoints import run_pipeline
-from pipeline.stages.validate import chat_ids, greedy_continuations, load_target
+from pipeline.recipe import load_recipe
+from pipeline.run.atomic import atomic_write_text
+from pipeline.run.layout import CHECKPOINT
 from pipeline.run.versions import tool_versions
+from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.speculative.dflash import DFlashDrafter
+from pipeline.speculative.replay import replay_as_vllm_counts, replay_sequence
+from pipeline.stages.resolve import read_resolved
+from pipeline.stages.validate import chat_ids, greedy_continuations, load_target
+from pipeline.study.cells import CellStore
+from pipeline.study.served import ServerCell, serve_matrix
 from pipeline.study.workloads import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from pipeline.checkpoints import fp8  # noqa: E402
-from pipeline.run.atomic import atomic_directory  # noqa: E402
 from pipeline.checkpoints.folder import copy_side_files, linear_modules, shard_files, write_index  # noqa: E402
+from pipeline.run.atomic import atomic_directory  # noqa: E402
 
 BLOCK = (128, 128)
 # The modules Qwen/Qwen3.5-397B-A17B-FP8 keeps in bf16 (its config's modules_to_not_convert, as patterns).

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from pipeline.run.atomic import atomic_directory
-from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
 from pipeline.run.hashing import HashCache, digest_of
+from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter, init_weights, tie_context_key_norms
 from pipeline.speculative.replay import TargetHooks, draft_at_anchors, replay_acceptance
 from pipeline.stages.validate import chat_ids
 from pipeline.study.workloads import all_prompts

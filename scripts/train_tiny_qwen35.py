@@ -47,8 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 import train_dflash_drafter as dflash_training  # noqa: E402
 from build_tiny_qwen35 import real_layout  # noqa: E402
 
-from pipeline.run.atomic import atomic_directory  # noqa: E402
 from pipeline.quant.calibration import SHIPPED  # noqa: E402
+from pipeline.run.atomic import atomic_directory  # noqa: E402
 from pipeline.speculative.dflash import DFlashDrafter, tie_context_key_norms  # noqa: E402
 from pipeline.speculative.mtp import MtpHead  # noqa: E402
 from pipeline.speculative.replay import TargetHooks, target_features  # noqa: E402

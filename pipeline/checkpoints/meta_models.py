@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.checkpoints.stored_configs import DATA_DIR
 from pipeline.checkpoints.folder import linear_layers_from_tensors
+from pipeline.checkpoints.stored_configs import DATA_DIR
 from pipeline.quant.memory import mtp_tensor_shapes
 
 TARGETS: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3.5-9b", "qwen3.5-122b-a10b", "qwen3.5-397b-a17b-fp8")

@@ -29,8 +29,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.checkpoints.folder import has_mtp_head, linear_modules, text_config
-from pipeline.quant.exclusions import excluded_layers
 from pipeline.checkpoints.fp8 import block_size, is_fp8_source
+from pipeline.quant.exclusions import excluded_layers
 from pipeline.quant.mxfp4 import GROUP_SIZE
 
 MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet "288 GB"; if that means GiB, this errs low

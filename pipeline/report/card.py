@@ -14,6 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.recipe import Recipe
+from pipeline.report.figures import FIGURES
+from pipeline.report.markdown import acceptance_tables
 from pipeline.run.artifacts import (
     MEASURED_BY,
     GateVerdict,
@@ -24,9 +27,6 @@ from pipeline.run.artifacts import (
     read_validate_report,
 )
 from pipeline.run.layout import REPO_FIGURES, RunLayout
-from pipeline.recipe import Recipe
-from pipeline.report.figures import FIGURES
-from pipeline.report.markdown import acceptance_tables
 
 TAGS = ["mxfp4", "quark", "dflash", "speculative-decoding"]
 REDO = "run `mxspec run RECIPE --out {out}` again"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.run.artifacts import ServedRow, ValidateReport
 from pipeline.report.markdown import config_label, throughput_lifts
+from pipeline.run.artifacts import ServedRow, ValidateReport
 
 ACCEPTANCE_FIGURES = ("acceptance_vs_budget.png", "per_position_acceptance.png", "same_text_acceptance.png")
 SERVING_FIGURES = ("speedup.png", "throughput_lift.png")

@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.run import layout
 from pipeline.errors import BadInputError
-from pipeline.run.hashing import digest_of
 from pipeline.recipe import Gate, PromptSource
+from pipeline.run import layout
+from pipeline.run.hashing import digest_of
 
 MANIFEST_SCHEMA = 1
 QUANTIZE_SCHEMA = "mxspec.quantize/1"

@@ -28,6 +28,8 @@ from typing import Protocol, TypeVar
 from pydantic import ValidationError
 from rich.console import Console
 
+from pipeline.errors import BadInputError, ExternalError, MxspecError
+from pipeline.recipe import Recipe
 from pipeline.run.artifacts import StageManifest
 from pipeline.run.atomic import (
     OWNER_MARK,
@@ -37,10 +39,8 @@ from pipeline.run.atomic import (
     make_dirs,
     sweep_partials,
 )
-from pipeline.errors import BadInputError, ExternalError, MxspecError
 from pipeline.run.hashing import HashCache, digest_of
 from pipeline.run.layout import MANIFEST, RunLayout
-from pipeline.recipe import Recipe
 from pipeline.run.stage_log import third_party_output_to, verbose
 from pipeline.run.versions import tool_versions
 

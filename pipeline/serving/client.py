@@ -10,7 +10,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pipeline.serving.server import ServerError
+from pipeline.errors import ServerError
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -37,9 +37,9 @@ def _post(url: str, payload: dict, timeout: float) -> dict:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         body = exc.read().decode(errors="replace")[:300]
-        raise ServerError(f"{url} answered HTTP {exc.code}: {body}") from exc
+        raise ServerError(f"{url} answered HTTP {exc.code}: {body}", url=url) from exc
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise ServerError(f"{url} did not answer ({exc.__class__.__name__}: {exc}); did the server die?") from exc
+        raise ServerError(f"{url} did not answer ({exc.__class__.__name__}: {exc}); did the server die?", url=url) from exc
 
 
 def chat(base_url: str, model: str, prompt_id: str, text: str, max_tokens: int, timeout: float = 600.0) -> Completion:
@@ -84,7 +84,7 @@ def score(base_url: str, model: str, token_ids: list[int], top_k: int, timeout: 
     rows = answer["choices"][0].get("prompt_logprobs")
     if rows is None or len(rows) != len(token_ids):
         raise ServerError(f"{base_url} returned no prompt_logprobs for {len(token_ids)} tokens; "
-                          "does this vLLM support prompt_logprobs?")
+                          "does this vLLM support prompt_logprobs?", url=f"{base_url}/v1/completions")
     return [None if row is None else {int(t): float(v["logprob"]) for t, v in row.items()} for row in rows]
 
 
@@ -105,7 +105,8 @@ def scrape_metrics(base_url: str, timeout: float = 30.0) -> dict[tuple[str, tupl
         with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as response:
             text = response.read().decode()
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise ServerError(f"{base_url}/metrics did not answer ({exc.__class__.__name__}); did the server die?") from exc
+        raise ServerError(f"{base_url}/metrics did not answer ({exc.__class__.__name__}); did the server die?",
+                          url=f"{base_url}/metrics") from exc
     samples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

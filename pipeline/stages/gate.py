@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
+from pipeline.errors import BadInputError, GateFailedError
+from pipeline.recipe import Gate
 from pipeline.run.artifacts import (
     MEASURED_BY,
     DriftRow,
@@ -30,12 +32,10 @@ from pipeline.run.artifacts import (
     read_validate_report,
     write_artifact,
 )
-from pipeline.study.drift import decide, drop_interval
-from pipeline.errors import BadInputError, GateFailedError
 from pipeline.run.hashing import sha256_file
 from pipeline.run.layout import JUNIT_FILE, SUMMARY_FILE, VERDICT_FILE
-from pipeline.recipe import Gate
 from pipeline.run.runner import StageContext
+from pipeline.study.drift import decide, drop_interval
 
 SEVERITY = {"pass": 0, "inconclusive": 1, "fail": 2}
 
@@ -289,4 +289,4 @@ def raise_unless_passed(folder: Path) -> None:
     if not verdict.passed:
         bad = [c.name for c in verdict.checks if c.verdict != "pass"]
         raise GateFailedError(f"gate {verdict.verdict}: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} "
-                              f"(see {folder / SUMMARY_FILE})")
+                              f"(see {folder / SUMMARY_FILE})", verdict=folder / VERDICT_FILE)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pipeline.checkpoints.folder import MTP_PREFIX, has_mtp_head, read_checkpoint, text_config
+from pipeline.errors import BadInputError
+from pipeline.recipe import Recipe
 from pipeline.run.artifacts import (
     DrafterRef,
     ModelRef,
@@ -23,13 +26,10 @@ from pipeline.run.artifacts import (
     ResolvedModel,
     write_artifact,
 )
-from pipeline.checkpoints.folder import MTP_PREFIX, has_mtp_head, read_checkpoint, text_config
-from pipeline.errors import BadInputError
 from pipeline.run.hashing import HashCache, digest_of, list_files
 from pipeline.run.layout import PAIR_FILE
-from pipeline.recipe import Recipe
-from pipeline.stages.resolve import read_resolved
 from pipeline.run.runner import StageContext
+from pipeline.stages.resolve import read_resolved
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "special_tokens_map.json")

@@ -13,21 +13,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.checkpoints.stored_configs import stored_for_repo
 from pipeline.checkpoints.folder import has_mtp_head, linear_layers_from_tensors, read_checkpoint
-from pipeline.errors import BadInputError
-from pipeline.quant.exclusions import DEFAULT_EXCLUDE, check_exclusions, exclusion_patterns
 from pipeline.checkpoints.fp8 import block_size, is_fp8_source
-from pipeline.run.hashing import sha256_file
+from pipeline.checkpoints.stored_configs import stored_for_repo
+from pipeline.errors import BadInputError, NotSizedError
 from pipeline.hub.env import hub_offline
+from pipeline.quant.exclusions import DEFAULT_EXCLUDE, check_exclusions, exclusion_patterns
 from pipeline.quant.memory import (
     VLLM_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
     checkpoint_tensors,
     plan_memory,
 )
-from pipeline.stages.pair import TOKENIZER_FILES, pairing_problems
 from pipeline.recipe import ModelRef, Recipe
+from pipeline.run.hashing import sha256_file
+from pipeline.stages.pair import TOKENIZER_FILES, pairing_problems
 
 CONFIG = "config.json"
 
@@ -161,22 +161,22 @@ def recipe_configs(recipe: Recipe) -> dict[str, dict]:
     return configs
 
 
-def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPlan | str:
+def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPlan:
     """The memory plan of a Qwen3.5 recipe at its `[serving]` max_model_len, tensor parallel size and memory
-    utilization, for the methods and largest budget it serves; else one line saying why there is none."""
+    utilization, for the methods and largest budget it serves. NotSizedError says why there is none."""
     configs = recipe_configs(recipe)
     target = configs.get("target")
     if target is None:
-        return "the target's config is not known here (not local, not in the Hub cache, not stored)"
+        raise NotSizedError("the target's config is not known here (not local, not in the Hub cache, not stored)")
     if target.get("model_type") not in DEFAULT_EXCLUDE or not str(target["model_type"]).startswith("qwen3_5"):
-        return f"sized for Qwen3.5 targets only; this one is {target.get('model_type')!r}"
+        raise NotSizedError(f"sized for Qwen3.5 targets only; this one is {target.get('model_type')!r}")
     q, s, served = recipe.quantization, recipe.serving, recipe.served
     speculative = [m for m in served.methods if m != "ar"]
     if is_fp8_source(target):
         try:
             block_size(target)
         except BadInputError as exc:
-            return str(exc)
+            raise NotSizedError(str(exc)) from None
     try:
         layers = linear_layers_from_tensors(checkpoint_tensors(target))
         exclude = exclusion_patterns(layers, target["model_type"], q.exclude, q.quantize_mtp)
@@ -188,4 +188,4 @@ def memory_plan(recipe: Recipe, available_bytes: int | None = None) -> MemoryPla
                            available_bytes=available_bytes, quantize_mtp=q.quantize_mtp)
     except (KeyError, TypeError, ValueError) as exc:
         missing = f"lacks {exc}" if isinstance(exc, KeyError) else f"is not as Qwen3.5's ({exc})"
-        return f"a config {missing}"
+        raise NotSizedError(f"a config {missing}") from None

@@ -35,6 +35,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import BadInputError, GateFailedError, HubError
+from pipeline.recipe import Recipe
+from pipeline.report.card import RunArtifacts, render_model_card
 from pipeline.run.artifacts import (
     PublishedFiles,
     PublishResult,
@@ -42,8 +45,6 @@ from pipeline.run.artifacts import (
     write_artifact,
 )
 from pipeline.run.atomic import OWNER_MARK
-from pipeline.report.card import RunArtifacts, render_model_card
-from pipeline.errors import BadInputError, ExternalError, GateFailedError
 from pipeline.run.hashing import HashCache, list_files
 from pipeline.run.layout import (
     CARD_FILE,
@@ -52,7 +53,6 @@ from pipeline.run.layout import (
     REPO_FIGURES,
     REPO_REPORTS,
 )
-from pipeline.recipe import Recipe
 from pipeline.run.runner import StageContext
 
 HUB_MANAGED = frozenset({".gitattributes"})  # created by the Hub with the repo; never planned, never deleted
@@ -62,10 +62,6 @@ ATTEMPTS = 5  # per step: the first try and four retries
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # drafter files that must never be uploaded (a shared
 # tokenizer file may legitimately have the same bytes in both repos)
-
-
-class HubError(ExternalError):
-    """The Hub refused a request or could not be reached."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +116,8 @@ def plan_publish(recipe: Recipe, out: Path, card_dir: Path, hashes: HashCache, *
     verdict = run.gate
     if not verdict.passed and not force:
         raise GateFailedError(f"refusing to publish: the gate verdict is {verdict.verdict} (see "
-                              f"{run.layout.summary}); fix the checkpoint, or pass --force to publish anyway")
+                              f"{run.layout.summary}); fix the checkpoint, or pass --force to publish anyway",
+                              verdict=run.layout.verdict)
     card = Path(card_dir) / CARD_FILE
     card.write_text(render_model_card(recipe, run, publish.repo_id))
 
@@ -255,7 +252,7 @@ def _landed_commit(api, plan: PublishPlan, head: str | None, open_prs: set[str])
             return revision, pr_url
     if candidates and not plan.create_pr:
         raise HubError(f"{plan.repo_id}: main moved to {candidates[0][0][:12]} while publishing (someone else "
-                       "committed); run `mxspec publish` again to publish on top of it")
+                       "committed); run `mxspec publish` again to publish on top of it", repo_id=plan.repo_id)
     return None
 
 
@@ -320,7 +317,8 @@ def verify_upload(api, plan: PublishPlan, revision: str) -> int:
     remote = _remote_files(api, plan.repo_id, revision)
     problems = _tree_problems(plan, remote, download=lambda path: _download_sha256(api, plan.repo_id, path, revision))
     if problems:
-        raise HubError(f"{plan.repo_id}@{revision[:12]}: upload verification failed: {'; '.join(problems[:5])}")
+        raise HubError(f"{plan.repo_id}@{revision[:12]}: upload verification failed: {'; '.join(problems[:5])}",
+                       repo_id=plan.repo_id)
     return len(plan.files)
 
 
@@ -416,20 +414,21 @@ class _hub_errors:
         from huggingface_hub.errors import HfHubHTTPError
 
         if isinstance(exc, HfHubHTTPError):
-            status = exc.response.status_code if exc.response is not None else "?"
+            status = exc.response.status_code if exc.response is not None else None
             first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
             if status in (401, 403):
                 message = f"the Hub at {self.plan.endpoint} refused the token ({status}); check HF_TOKEN's write access to {self.plan.repo_id}"
             else:
-                message = f"the Hub at {self.plan.endpoint} answered {status}: {first}"
-        elif "Timeout" in exc.__class__.__name__:
+                message = f"the Hub at {self.plan.endpoint} answered {status or '?'}: {first}"
+            raise HubError(message.replace(self.token, "***"), repo_id=self.plan.repo_id, status=status) from None
+        if "Timeout" in exc.__class__.__name__:
             message = (f"the Hub at {self.plan.endpoint} did not answer within {hub_timeout_s():g} s, "
                        f"{ATTEMPTS} times; try again later, or raise MXSPEC_HUB_TIMEOUT_S")
         elif isinstance(exc, (*_transport_errors(), OSError)):
             message = f"cannot reach the Hub at {self.plan.endpoint} ({exc.__class__.__name__}); check the network or HF_ENDPOINT"
         else:
             return False
-        raise HubError(message.replace(self.token, "***")) from None
+        raise HubError(message.replace(self.token, "***"), repo_id=self.plan.repo_id) from None
 
 
 class PublishStage:

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.run.artifacts import QuantizeReport, write_artifact
-from pipeline.run.atomic import is_disk_full
 from pipeline.checkpoints.folder import (
     Checkpoint,
     copy_side_files,
@@ -37,12 +35,14 @@ from pipeline.checkpoints.folder import (
     split_fused_experts,
     write_index,
 )
+from pipeline.checkpoints.fp8 import SCALE_SUFFIX, block_size, is_fp8_source
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.quant.exclusions import check_exclusions, excluded_layers, exclusion_patterns
-from pipeline.checkpoints.fp8 import SCALE_SUFFIX, block_size, is_fp8_source
-from pipeline.run.layout import CHECKPOINT, QUANTIZE_REPORT
 from pipeline.quant.memory import IN_MEMORY_BYTES_PER_ELEMENT, available_memory_bytes, quantize_mode_for
 from pipeline.recipe import Calibration, Cluster, Quantization
+from pipeline.run.artifacts import QuantizeReport, write_artifact
+from pipeline.run.atomic import is_disk_full
+from pipeline.run.layout import CHECKPOINT, QUANTIZE_REPORT
 from pipeline.run.runner import StageContext
 
 # Quark model templates by config model_type; text-only variants use their family's template.
@@ -140,8 +140,8 @@ def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None
     import torch
     import transformers
 
-    from pipeline.quant.file_to_file import TORCH_DTYPES
     from pipeline.checkpoints.fp8 import output_dtype
+    from pipeline.quant.file_to_file import TORCH_DTYPES
 
     quark_torch = _quark()
     architecture = checkpoint.config["architectures"][0]
@@ -401,8 +401,8 @@ class QuantizeStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
-        from pipeline.stages.resolve import read_resolved
         from pipeline.run.versions import tool_versions
+        from pipeline.stages.resolve import read_resolved
 
         target = read_resolved(ctx.stage_dir("resolve"))["target"]
         ctx.console.print(f"  quantizing {target.ref} to {ctx.recipe.quantization.scheme} with AMD Quark")

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.run.artifacts import ResolvedModel, read_artifact, write_artifact
-from pipeline.errors import BadInputError, ExternalError
-from pipeline.run.hashing import HashCache
+from pipeline.errors import BadInputError, ExternalError, ModelNotAvailableError
 from pipeline.hub.env import hub_offline
-from pipeline.run.layout import resolved_file
 from pipeline.recipe import ModelRef
+from pipeline.run.artifacts import ResolvedModel, read_artifact, write_artifact
+from pipeline.run.hashing import HashCache
+from pipeline.run.layout import resolved_file
 from pipeline.run.runner import StageContext
 
 ROLES = ("target", "drafter")
-
-
-class ModelNotAvailableError(ExternalError):
-    """The model is neither local nor in the Hub cache, and the Hub cannot be reached."""
 
 
 def _download(ref: ModelRef, role: str) -> tuple[Path, str]:
@@ -52,7 +48,8 @@ def _download(ref: ModelRef, role: str) -> tuple[Path, str]:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
         raise ModelNotAvailableError(
             f"{role} {ref.describe()} is not in the local Hub cache and {why}; download it on a connected "
-            f"machine (`hf download {ref.id} --revision {ref.revision}`) or set {role}.path to a local copy"
+            f"machine (`hf download {ref.id} --revision {ref.revision}`) or set {role}.path to a local copy",
+            role=role, repo_id=ref.id, revision=ref.revision,
         ) from None
     except OSError as exc:
         raise ExternalError(f"{role} {ref.describe()}: download failed: {exc.__class__.__name__}") from None

@@ -20,8 +20,9 @@ from typing import Literal, NamedTuple
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.speculative.acceptance import AcceptanceStats
-from pipeline.study.answers import CHECKABLE, Answer, is_correct
+from pipeline.recipe import Cluster, Recipe
+from pipeline.report.figures import write_figures
+from pipeline.report.markdown import report_markdown
 from pipeline.run.artifacts import (
     AcceptanceCell,
     AccuracyRow,
@@ -33,6 +34,14 @@ from pipeline.run.artifacts import (
     read_artifact,
     write_artifact,
 )
+from pipeline.run.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
+from pipeline.run.runner import StageContext
+from pipeline.run.versions import package_version
+from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.speculative.dflash import DFlashDrafter
+from pipeline.speculative.mtp import MtpHead, load_mtp_head, replay_mtp
+from pipeline.speculative.replay import TargetHooks, replay_pass
+from pipeline.study.answers import CHECKABLE, Answer, is_correct
 from pipeline.study.cells import (
     RESULT_FILE,
     Cell,
@@ -47,7 +56,6 @@ from pipeline.study.cells import (
     replay_cell_name,
     run_cells,
 )
-from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.study.drift import (
     acceptance_drift,
     paired_difference_ci,
@@ -55,14 +63,6 @@ from pipeline.study.drift import (
     prompt_bootstrap_ci,
 )
 from pipeline.study.fidelity import SERVED_TOP_K, TOP_K, PromptFidelity, ReferenceDistribution, compare
-from pipeline.run.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
-from pipeline.speculative.mtp import MtpHead, load_mtp_head, replay_mtp
-from pipeline.recipe import Cluster, Recipe
-from pipeline.report.figures import write_figures
-from pipeline.report.markdown import report_markdown
-from pipeline.run.runner import StageContext
-from pipeline.speculative.replay import TargetHooks, replay_pass
-from pipeline.run.versions import package_version
 from pipeline.study.workloads import Prompt, describe_source, load_prompts
 
 
@@ -642,8 +642,8 @@ class ValidateStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
-        from pipeline.stages.resolve import read_resolved
         from pipeline.run.runner import read_manifest
+        from pipeline.stages.resolve import read_resolved
 
         resolved = read_resolved(ctx.stage_dir("resolve"))
         inputs = read_manifest(ctx.stage_dir("resolve")).outputs

@@ -33,7 +33,6 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.run.atomic import OWNER_MARK, atomic_directory, make_dirs, sweep_partials
-from pipeline.errors import MxspecError
 
 CELL_FILE = "cell.json"
 RESULT_FILE = "result.json"  # a cell's measurements, in the model of the code that measures it
@@ -122,15 +121,6 @@ class CellEvents:
     def finished(self, cell: Cell, measured: Measured) -> None: ...
 
 
-class CellFailed(MxspecError):
-    """A cell could not be measured; the message names its log when it has one. The exit code is the
-    failure's own (3 for a server that died, 2 for bad input)."""
-
-    def __init__(self, message: str, exit_code: int = 3):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 class CellStore:
     """The finished cells of one run folder, and the folder where cells keep their logs."""
 
@@ -187,7 +177,7 @@ def read_timing(cells: Path, name: str) -> Measured | None:
 
 class Executor(Protocol):
     def measure(self, store: CellStore, cells: list[Cell], events: CellEvents) -> dict[str, Measured]:
-        """Measure the cells (each after the cells it reads) into the store; raise CellFailed when one fails."""
+        """Measure the cells (each after the cells it reads) into the store; raise CellFailedError when one fails."""
         ...
 
 

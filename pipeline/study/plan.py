@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.study.cells import SCORE_CELL, reference_cell_name, replay_cell_name, serving_cell_name
 from pipeline.recipe import Recipe
+from pipeline.study.cells import SCORE_CELL, reference_cell_name, replay_cell_name, serving_cell_name
 from pipeline.study.served import ar_cell_name, measures_served_fidelity, server_matrix
 
 

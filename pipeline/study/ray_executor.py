@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.run.atomic import OWNER_MARK
-from pipeline.study.cells import Cell, CellEvents, CellFailed, CellStore, CellWorkspace, Measured
-from pipeline.errors import BadInputError, ExternalError, MxspecError
+from pipeline.errors import BadInputError, CellFailedError, ExternalError, MxspecError
 from pipeline.recipe import Cluster
+from pipeline.run.atomic import OWNER_MARK
+from pipeline.study.cells import Cell, CellEvents, CellStore, CellWorkspace, Measured
 
 INSTALL = "pip install 'ray==2.60.0' (or `pip install -e '.[ray]'` in a checkout)"
 LOGS_HERE = "<cell logs>"  # stands for the worker's log folder in a failure message, until the driver names its own
@@ -148,7 +148,7 @@ class _Study:
         self.todo = {cell.name for cell in cells}
         self.pending: dict = {}  # ObjectRef -> (cell, submitted at)
         self.done: dict[str, Measured] = {}
-        self.failed: dict[str, CellFailed] = {}
+        self.failed: dict[str, CellFailedError] = {}
         self.queue = Queue(actor_options={"num_cpus": 0})
         self.remote = ray.remote(_measure_on_worker)
 
@@ -169,8 +169,8 @@ class _Study:
         if self.failed:
             first = next(iter(self.failed.values()))
             more = f" ({len(self.failed) - 1} more failed: {', '.join(list(self.failed)[1:])})" if len(self.failed) > 1 else ""
-            raise CellFailed(f"{first}{more}; the {len(self.done)} cells measured were kept, run again to measure the rest",
-                             first.exit_code)
+            raise CellFailedError(f"{first}{more}; the {len(self.done)} cells measured were kept, run again to measure the rest",
+                                  cell=first.cell, log=first.log, exit_code=first.exit_code)
         return self.done
 
     def _submit_ready(self) -> None:
@@ -178,7 +178,8 @@ class _Study:
             blocked = [name for name in cell.after if name in self.failed]
             if blocked:
                 self.waiting.remove(cell)
-                self.failed[cell.name] = CellFailed(f"cell {cell.name} not measured: it reads {blocked[0]}, which failed")
+                self.failed[cell.name] = CellFailedError(f"cell {cell.name} not measured: it reads {blocked[0]}, which failed",
+                                                         cell=cell.name)
                 continue
             if any(name in self.todo and name not in self.done for name in cell.after):
                 continue  # what it reads is still being measured
@@ -203,9 +204,9 @@ class _Study:
         except self.ray.exceptions.TaskCancelledError:
             raise KeyboardInterrupt from None
         except self.ray.exceptions.RayError as exc:  # the worker or its node died on every try
-            self.failed[cell.name] = CellFailed(
+            self.failed[cell.name] = CellFailedError(
                 f"cell {cell.name}: its Ray task failed {self.cluster.max_retries + 1} times "
-                f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})")
+                f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})", cell=cell.name)
             return
         for name, data in result.logs.items():  # kept whether or not the cell finished
             path = self.store.logs / name
@@ -213,7 +214,8 @@ class _Study:
             path.write_bytes(data)
         if result.error is not None:
             message = result.error.replace(LOGS_HERE, str(self.store.logs))
-            self.failed[cell.name] = CellFailed(f"cell {cell.name} failed on {result.where}: {message}", result.exit_code)
+            self.failed[cell.name] = CellFailedError(f"cell {cell.name} failed on {result.where}: {message}", cell=cell.name,
+                                                     log=self.store.logs, exit_code=result.exit_code)
             return
         def fill(tmp: Path) -> Measured:
             _write_tree(tmp, result.files)

@@ -37,10 +37,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.errors import ServerError
+from pipeline.recipe import SERVED_SUBSET, Recipe
 from pipeline.run.artifacts import ServedRow, read_artifact, write_artifact
+from pipeline.run.versions import package_version
+from pipeline.serving.client import Completion, TopLogprobs, run_requests, score, scrape_metrics
+from pipeline.serving.server import ServerSpec, VllmServer
+from pipeline.speculative.acceptance import AcceptanceStats
 from pipeline.study.cells import (
     RESULT_FILE,
+    SCORE_CELL,
     Cell,
     CellEvents,
     CellStore,
@@ -48,15 +54,10 @@ from pipeline.study.cells import (
     Executor,
     Measured,
     fingerprint,
-    SCORE_CELL,
     run_cells,
     serving_cell_name,
 )
 from pipeline.study.fidelity import SERVED_TOP_K, PromptFidelity, compare_served
-from pipeline.recipe import SERVED_SUBSET, Recipe
-from pipeline.serving.client import Completion, TopLogprobs, run_requests, score, scrape_metrics
-from pipeline.serving.server import ServerError, ServerSpec, VllmServer
-from pipeline.run.versions import package_version
 from pipeline.study.workloads import Prompt
 
 
@@ -404,7 +405,7 @@ def _unless_died(server: VllmServer, call):
             except subprocess.TimeoutExpired:
                 raise exc from None
             raise ServerError(f"vLLM server ({server.spec.model}) died during the benchmark with exit code "
-                              f"{code}; log: {server.log_path}") from exc
+                              f"{code}; log: {server.log_path}", log=server.log_path) from exc
         raise
 
 

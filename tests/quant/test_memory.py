@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.checkpoints import meta_models as arch
-from pipeline.quant import memory
 from pipeline.checkpoints.folder import read_checkpoint, split_fused_experts, text_config
+from pipeline.quant import memory
 from pipeline.quant.exclusions import default_exclusions
 
 

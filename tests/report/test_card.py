@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from pipeline.errors import BadInputError
+from pipeline.recipe import Gate, Recipe
+from pipeline.report.card import RunArtifacts, render_model_card
 from pipeline.run.artifacts import (
     DrafterRef,
     ExportVerification,
@@ -17,9 +20,6 @@ from pipeline.run.artifacts import (
     read_validate_report,
     write_artifact,
 )
-from pipeline.report.card import RunArtifacts, render_model_card
-from pipeline.errors import BadInputError
-from pipeline.recipe import Gate, Recipe
 from tests.stages.test_gate import reference_measurements, served_row, write_report
 
 REPO = "owner/model-mxfp4"
@@ -145,9 +145,9 @@ def test_a_vllm_only_card_says_how_each_measure_was_taken(tmp_path):
 
 def report_with_served_fidelity():
     """A vLLM-only report's served fidelity (top-1 0.9, KL 0.05) and MTP drift rows for gsm8k/mbpp."""
-    from pipeline.study.fidelity import PromptFidelity
     from pipeline.recipe import Recipe
     from pipeline.stages.validate import build_report, report_settings
+    from pipeline.study.fidelity import PromptFidelity
     from tests.stages.test_gate import per_prompt_stats
 
     study = Recipe.model_validate({"name": "card", "target": {"path": "/t"}, "drafter": {"path": "/d"},

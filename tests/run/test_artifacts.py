@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.artifacts import GateVerdict, json_schemas, read_artifact
 from pipeline.errors import BadInputError
+from pipeline.run.artifacts import GateVerdict, json_schemas, read_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "docs" / "schemas"

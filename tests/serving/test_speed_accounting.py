@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.run.artifacts import ServedRow
 from pipeline.report.markdown import speed_accounting_table
+from pipeline.run.artifacts import ServedRow
 from pipeline.study.served import speed_accounting, weight_bytes
 
 
@@ -52,8 +52,8 @@ def test_the_report_table_shows_each_accounted_row():
 
 
 def test_the_serving_tables_say_when_vllm_served_a_subset_of_the_acceptance_prompts():
-    from pipeline.run.artifacts import ReportSettings, ValidateReport
     from pipeline.report.markdown import served_subset_line
+    from pipeline.run.artifacts import ReportSettings, ValidateReport
 
     settings = ReportSettings(workloads=["gsm8k", "mbpp"], precisions=["bf16", "mxfp4"], budgets=[8], num_prompts=4,
                               max_tokens=64, seed=0, prompt_source="packaged", prompt_sets={}, enforce_eager=True)

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from pipeline.recipe import SERVED_SUBSET, load_recipe
 from pipeline.entrypoints import run_pipeline
+from pipeline.recipe import SERVED_SUBSET, load_recipe
 from tests.conftest import RECIPES, REFERENCE_TARGET, cli_env, processes
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter
 from pipeline.recipe import load_recipe
+from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter
 from pipeline.study.workloads import all_prompts
 from tests.conftest import RECIPES, REFERENCE_DRAFTER
 

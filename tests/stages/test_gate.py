@@ -9,13 +9,13 @@ from xml.etree import ElementTree
 
 import pytest
 
-from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.recipe import Gate, Recipe
 from pipeline.run.artifacts import ServedRow, read_validate_report, write_artifact
+from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.stages.gate import gate_report, summary_markdown
+from pipeline.stages.validate import Answer, ReferenceMeasurements, build_report, report_settings
 from pipeline.study.drift import decide, drop_interval
 from pipeline.study.fidelity import PromptFidelity
-from pipeline.stages.gate import gate_report, summary_markdown
-from pipeline.recipe import Gate, Recipe
-from pipeline.stages.validate import Answer, ReferenceMeasurements, build_report, report_settings
 
 
 def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 30) -> list[AcceptanceStats]:
@@ -236,8 +236,8 @@ def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_targe
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.stages.quantize import quantize_checkpoint
     from pipeline.recipe import Quantization
+    from pipeline.stages.quantize import quantize_checkpoint
     from tests.conftest import reference_recipe_with
 
     degraded = tmp_path / "degraded"
@@ -288,8 +288,8 @@ def test_a_damaged_target_whose_own_text_got_easier_to_draft_fails_as_target_deg
     """The reference recipe's W+A export (weights and activations MXFP4 on a 135M model) writes text the
     drafter accepts *more* of on MT-Bench, yet it no longer predicts bf16's text: the gate fails it for
     the target, not for the drafter."""
-    from pipeline.stages.quantize import quantize_checkpoint
     from pipeline.report.markdown import report_markdown
+    from pipeline.stages.quantize import quantize_checkpoint
 
     export = tmp_path / "wa"
     quantize_checkpoint(reference_target, export, mt_bench_recipe.quantization)
@@ -309,8 +309,8 @@ def test_a_damaged_target_whose_own_text_got_easier_to_draft_fails_as_target_deg
 @pytest.mark.slow
 def test_an_export_that_barely_changes_the_target_passes_every_measure(tmp_path, reference_target, mt_bench_recipe):
     """Only layer 0's MLP quantized (weight-only): the same drafter, the same text, the same verdict."""
-    from pipeline.stages.quantize import quantize_checkpoint
     from pipeline.recipe import Quantization
+    from pipeline.stages.quantize import quantize_checkpoint
 
     export = tmp_path / "layer0"
     quantize_checkpoint(reference_target, export, Quantization(

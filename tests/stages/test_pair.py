@@ -10,9 +10,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pipeline.errors import BadInputError
+from pipeline.recipe import ModelRef
 from pipeline.run.hashing import HashCache, digest_of
 from pipeline.stages.pair import check_compatibility, check_unchanged, mtp_declaration_problems
-from pipeline.recipe import ModelRef
 from pipeline.stages.resolve import resolve_model
 
 

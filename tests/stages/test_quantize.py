@@ -17,8 +17,8 @@ import pipeline.stages.quantize as quantize_module
 from pipeline.checkpoints.folder import read_checkpoint
 from pipeline.errors import BadInputError, ExternalError
 from pipeline.quant.memory import checkpoint_tensors, mxfp4_bytes
-from pipeline.stages.quantize import choose_mode, plan_exclusions, quantize_checkpoint
 from pipeline.recipe import Calibration, Quantization
+from pipeline.stages.quantize import choose_mode, plan_exclusions, quantize_checkpoint
 
 
 # --- planning (no Quark) -----------------------------------------------------------------------

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import BadInputError
-from pipeline.run.hashing import sha256_file
+from pipeline.errors import BadInputError, ModelNotAvailableError
 from pipeline.recipe import ModelRef
-from pipeline.stages.resolve import ModelNotAvailableError, resolve_model
+from pipeline.run.hashing import sha256_file
+from pipeline.stages.resolve import resolve_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -72,8 +72,8 @@ def test_offline_and_not_cached_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_resolve_stage_records_the_reference_pair(tmp_path, reference_target):
-    from pipeline.recipe import load_recipe
     from pipeline.entrypoints import run_pipeline
+    from pipeline.recipe import load_recipe
 
     recipe = load_recipe("recipes/reference-cpu.toml")
     first = run_pipeline(recipe, tmp_path / "out", until="resolve")

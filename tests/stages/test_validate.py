@@ -4,13 +4,12 @@ and the acceptance invariants: 1 <= AL <= B, per-position curve non-increasing, 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from pipeline.run.artifacts import VALIDATE_SCHEMA, ValidateReport
-from pipeline.recipe import load_recipe
 from pipeline.entrypoints import run_pipeline
+from pipeline.recipe import load_recipe
+from pipeline.run.artifacts import VALIDATE_SCHEMA, ValidateReport
 from tests.conftest import ROOT, cli_env, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
@@ -90,8 +89,8 @@ def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(model):
 
 
 def test_changing_only_the_gate_thresholds_re_measures_nothing(report):
-    from pipeline.stages.gate import read_verdict
     from pipeline.run.runner import read_manifest
+    from pipeline.stages.gate import read_verdict
 
     measured = read_manifest(report)
     recipe = report.parent.parent / "recipe-lenient.toml"

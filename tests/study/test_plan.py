@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pipeline.errors import BadInputError
-from pipeline.study.plan import PlannedCell, StudyPlan, plan_study, schedule, study_cells
 from pipeline.recipe import Recipe, load_recipe
+from pipeline.study.plan import PlannedCell, StudyPlan, plan_study, schedule, study_cells
 from tests.conftest import RECIPES
 
 

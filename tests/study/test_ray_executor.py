@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from pipeline.study.cells import TIMING_FILE, Cell, CellStore, run_cells
-from pipeline.recipe import Cluster, load_recipe
 from pipeline.entrypoints import run_pipeline
+from pipeline.recipe import Cluster, load_recipe
+from pipeline.study.cells import TIMING_FILE, Cell, CellStore, run_cells
 from tests.conftest import ROOT, cli_env, processes, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
@@ -131,9 +131,8 @@ def test_a_worker_killed_mid_cell_is_run_again_and_the_study_completes(local, tw
 
 
 def test_a_cell_that_fails_is_reported_with_its_log_and_the_other_cells_are_kept(tmp_path, two_nodes):
-    from pipeline.study.cells import CellFailed
+    from pipeline.errors import CellFailedError, ServerError
     from pipeline.study.ray_executor import RayExecutor
-    from pipeline.serving.server import ServerError
 
     def serves(work):
         (work.logs / "serve-good.log").write_text("served\n")
@@ -146,10 +145,10 @@ def test_a_cell_that_fails_is_reported_with_its_log_and_the_other_cells_are_kept
 
     store = CellStore(tmp_path / "cells", tmp_path / "logs")
     cells = [Cell("serve-good", "f", serves), Cell("serve-bad", "f", dies), Cell("reads-bad", "f", serves, after=("serve-bad",))]
-    with pytest.raises(CellFailed) as failed:
+    with pytest.raises(CellFailedError) as failed:
         run_cells(store, cells, RayExecutor(Cluster(executor="ray", device="cpu")))
     message = str(failed.value)
-    assert failed.value.exit_code == 3 and "\n" not in message
+    assert failed.value.exit_code == 3 and failed.value.cell == "serve-bad" and "\n" not in message
     assert message.startswith("cell serve-bad failed on node ") and f"log: {tmp_path / 'logs' / 'serve-bad.log'}" in message
     assert "1 more failed: reads-bad" in message and "were kept" in message
     assert (tmp_path / "logs" / "serve-bad.log").read_text() == "engine core died\n"
@@ -173,8 +172,8 @@ def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, t
     """The tiny FP8 MoE target (two shards, one weight's scale in the other shard), quantized file-to-file
     here and as two Ray tasks (one per shard, on either node): every output file is identical, and both
     pass the bit-exact check."""
-    from pipeline.stages.quantize import quantize_checkpoint
     from pipeline.recipe import Quantization
+    from pipeline.stages.quantize import quantize_checkpoint
 
     source = tiny_fp8
     spec = Quantization(mode="file_to_file")

@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.speculative.acceptance import AcceptanceStats
-from pipeline.study.cells import CellStore
-from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.recipe import Recipe, load_recipe
-from pipeline.study.served import ServerCell, serve_matrix, server_matrix, server_spec, serving_cells
+from pipeline.speculative.acceptance import AcceptanceStats
+from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.speculative.replay import replay_as_vllm_counts
 from pipeline.stages.validate import chat_ids, load_target
+from pipeline.study.cells import CellStore
+from pipeline.study.served import ServerCell, serve_matrix, server_matrix, server_spec, serving_cells
 from pipeline.study.workloads import load_prompts
 from tests.conftest import RECIPES, REFERENCE_DRAFTER, reference_recipe_with
 
@@ -110,8 +110,8 @@ def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the
 def test_a_served_text_without_its_prompt_ids_is_refused_in_one_line():
     """Served fidelity and the replay read the prompt as the server tokenized it; a vLLM that does not
     return it must not be scored along the continuation alone."""
+    from pipeline.errors import ServerError
     from pipeline.study.served import ServedCell, ServedText, served_texts
-    from pipeline.serving.server import ServerError
 
     cell = ServedCell(label="bf16-ar", rows=[], tokens={"gsm8k": [[5, 6]]}, prompt_tokens={"gsm8k": [[1, 2, 3]]})
     assert served_texts(cell, "gsm8k") == [ServedText([1, 2, 3], [5, 6])] and served_texts(cell, "gsm8k")[0].tokens == [1, 2, 3, 5, 6]
