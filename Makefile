@@ -37,7 +37,8 @@ $(TARGET)/config.json: $(STAMP) scripts/build_reference_target.py
 
 # Random tiny Qwen3.5 targets and drafters, then trained briefly (target, MTP head, DFlash drafter; a few
 # minutes). The MoE target's training.json is written last.
-$(TINY)/qwen3.5-moe-tiny/training.json: $(STAMP) scripts/build_tiny_qwen35.py scripts/train_tiny_qwen35.py pipeline/speculative/dflash.py pipeline/speculative/mtp.py
+$(TINY)/qwen3.5-moe-tiny/training.json: $(STAMP) scripts/build_tiny_qwen35.py scripts/train_tiny_qwen35.py \
+    pipeline/speculative/dflash.py pipeline/speculative/mtp.py pipeline/speculative/training.py
 	$(BIN)/python scripts/build_tiny_qwen35.py $(TINY)
 	$(BIN)/python scripts/train_tiny_qwen35.py $(TINY)
 

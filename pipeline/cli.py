@@ -18,9 +18,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline.errors import MxspecError, NotSizedError
-from pipeline.recipe import Gate, Recipe, load_recipe
+from pipeline.recipe import NO_MTP_HEAD_IN_MEMORY, Gate, Recipe, load_recipe
 from pipeline.run.layout import RunLayout
 from pipeline.run.stage_log import VERBOSE_ENV
+
+__all__ = ["app", "recipe_app", "err", "options", "RecipeArg", "OutOpt", "ExecutorOpt", "RayAddressOpt",
+    "recipe_check", "plan", "run", "quantize", "pair", "validate", "gate", "publish", "main"]
 
 app = typer.Typer(
     name="mxspec",
@@ -209,7 +212,7 @@ def _memory_rows(recipe: Recipe) -> dict[str, str]:
         "drafter config not known here (not counted)"
     return {
         "sizes": f"target {plan.source_format} {_size(plan.source_bytes)} -> MXFP4 {_size(plan.mxfp4_bytes)}; {drafter}",
-        "auto mode here": f"{plan.quantize_mode_here} (quantize_mtp: in memory there is no MTP head to quantize)"
+        "auto mode here": f"{plan.quantize_mode_here} (quantize_mtp: {NO_MTP_HEAD_IN_MEMORY})"
                           if plan.quantizes_mtp_head else
                           f"{plan.quantize_mode_here} ({_size(plan.available_bytes)} free; in memory needs "
                           f"{IN_MEMORY_FACTOR} x the model as held: "

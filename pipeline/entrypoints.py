@@ -10,15 +10,18 @@ from pathlib import Path
 from rich.console import Console
 
 from pipeline.errors import BadInputError
+from pipeline.hub.upload import PublishPlan
 from pipeline.recipe import Recipe
 from pipeline.run.runner import Stage, StageResult, preview_last_stage, run_stages
 from pipeline.stages.gate import GateStage
 from pipeline.stages.pair import PairStage
 from pipeline.stages.preflight import preflight
-from pipeline.stages.publish import PublishPlan, PublishStage, plan_publish
+from pipeline.stages.publish import PublishStage, plan_publish
 from pipeline.stages.quantize import QuantizeStage
 from pipeline.stages.resolve import ResolveStage
 from pipeline.stages.validate import ValidateStage
+
+__all__ = ["PIPELINE", "run_pipeline", "preview_publish"]
 
 PIPELINE: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), PairStage(), ValidateStage(), GateStage(), PublishStage())
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+__all__ = ["MxspecError", "BadInputError", "RecipeError", "NotSizedError", "GateFailedError", "ExternalError",
+    "HubError", "ModelNotAvailableError", "ServerError", "CellFailedError"]
+
 
 class MxspecError(Exception):
     """Base class: an expected failure with a clear message. Exit 3 unless a subclass says otherwise."""

@@ -17,6 +17,8 @@ from pipeline.run.artifacts import PublishResult
 from pipeline.run.layout import RunLayout
 from pipeline.stages.publish import PublishStage
 
+__all__ = ["JobOutcome", "publish_runs"]
+
 
 @dataclass(frozen=True)
 class JobOutcome:

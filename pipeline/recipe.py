@@ -8,8 +8,6 @@ publish target. Every problem is reported as one line naming the file, the key a
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import re
 import tomllib
 from pathlib import Path
@@ -18,6 +16,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import RecipeError
+
+__all__ = ["Scheme", "Workload", "Precision", "Method", "Backend", "PromptSource", "MAX_PROMPTS", "MAX_TOKENS",
+    "SERVED_SUBSET", "repo_id_problem", "NO_MTP_HEAD_IN_MEMORY", "ModelRef", "Quantization", "Calibration",
+    "Validation", "Gate", "Serving", "Plan", "Cluster", "Publish", "Recipe", "load_recipe"]
 
 Scheme = Literal["mxfp4", "mxfp4_weight_only"]
 Workload = Literal["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
@@ -51,6 +53,11 @@ def _no_duplicates(values: list, key: str) -> list:
         raise ValueError(f"{key} lists {', '.join(repeated)} more than once; list each once")
     return values
 
+
+# Why a quantized MTP head is quantized file to file: transformers builds Qwen3.5 without its MTP head, so
+# Quark never sees it in memory (and its export restores the head as stored). `auto` mode, the recipe
+# check and `recipe check`'s memory rows all say so with these words.
+NO_MTP_HEAD_IN_MEMORY = "in memory there is no MTP head to quantize (transformers does not build it)"
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -98,10 +105,8 @@ class Quantization(_Section):
 
     @model_validator(mode="after")
     def _mtp_quantized_file_to_file(self) -> Quantization:
-        # transformers builds no MTP head: in memory Quark never sees it, and its export restores it in bf16
         if self.quantize_mtp and self.mode == "in_memory":
-            raise ValueError("quantize_mtp = true needs mode = 'file_to_file' (or 'auto'): in memory the model "
-                             "has no MTP head to quantize (transformers does not build it)")
+            raise ValueError(f"quantize_mtp = true needs mode = 'file_to_file' (or 'auto'): {NO_MTP_HEAD_IN_MEMORY}")
         return self
 
 
@@ -324,15 +329,6 @@ class Recipe(_Section):
         """The matrix the vLLM backend serves: [validation], narrowed by [serving]'s subset keys."""
         return self.validation.model_copy(update={key: value for key in SERVED_SUBSET
                                                   if (value := getattr(self.serving, key)) is not None})
-
-    def section_hash(self, *sections: str) -> str:
-        """sha256 of the named sections, canonically serialised: what a stage's output depends on."""
-        data = self.model_dump(mode="json", include=set(sections) if sections else None)
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-    @property
-    def sha256(self) -> str:
-        return self.section_hash()
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -31,6 +31,8 @@ import sys
 import threading
 from pathlib import Path
 
+__all__ = ["MISSING_OP_SCHEMAS", "extension_loads", "define_missing_ops", "install"]
+
 # The two ops `_meta_registrations.py` registers fakes for without checking `_has_ops()`.
 # Signatures as torchvision 0.28's `ops/boxes.py` calls them and its fake kernels take them.
 MISSING_OP_SCHEMAS = (

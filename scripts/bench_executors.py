@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("QUARK_DISABLE_COMPILE", "1")
 
 
@@ -78,10 +77,11 @@ def bench_shards(out: Path, layers: int) -> dict:
 
     from pipeline.checkpoints.folder import read_checkpoint
     from pipeline.quant.exclusions import excluded_layers
+    from pipeline.quant.export import plan_exclusions
     from pipeline.quant.file_to_file import quantize_file_to_file
+    from pipeline.quant.quark import quark_config
     from pipeline.recipe import Cluster, Quantization
-    from pipeline.stages.quantize import _quant_config, plan_exclusions
-    from pipeline.study.ray_executor import ray_session
+    from pipeline.run.ray_session import ray_session
 
     source = out / "checkpoint"
     if not (source / "config.json").exists():
@@ -91,7 +91,7 @@ def bench_shards(out: Path, layers: int) -> dict:
     patterns = plan_exclusions(checkpoint, Quantization())
     layers_ = checkpoint.linear_layers()
     quantized = set(layers_) - excluded_layers(layers_, patterns)
-    config = _quant_config("qwen3_5", "mxfp4", patterns)
+    config = quark_config("qwen3_5", "mxfp4", patterns)
     shards = len(list(source.glob("*.safetensors")))
     seconds = {}
     for where in ("local", "ray"):

@@ -51,7 +51,7 @@ def build_checkpoint(folder: Path, layers: int) -> None:
     import torch
     import transformers
 
-    from pipeline.quant.file_to_file import StreamingSafetensorsWriter
+    from pipeline.checkpoints.writer import StreamingSafetensorsWriter
 
     config = config_dict(layers)
     with torch.device("meta"):
@@ -96,7 +96,7 @@ def work_plain_io(source: Path, out: Path) -> dict:
     return {"seconds": time.perf_counter() - started}
 
 
-def _quant_config(scheme: str, patterns: list[str]):
+def quark_config(scheme: str, patterns: list[str]):
     from quark.torch import LLMTemplate
 
     return LLMTemplate.get("qwen3_5").get_config(scheme=scheme, exclude_layers=patterns)
@@ -105,8 +105,8 @@ def _quant_config(scheme: str, patterns: list[str]):
 def _plan(source: Path):
     from pipeline.checkpoints.folder import read_checkpoint
     from pipeline.quant.exclusions import excluded_layers
+    from pipeline.quant.export import plan_exclusions
     from pipeline.recipe import Quantization
-    from pipeline.stages.quantize import plan_exclusions
 
     checkpoint = read_checkpoint(source)
     patterns = plan_exclusions(checkpoint, Quantization(scheme="mxfp4"))
@@ -120,7 +120,7 @@ def work_quark_encode(source: Path, out: Path) -> dict:
     from safetensors import safe_open
 
     checkpoint, patterns, quantized = _plan(source)
-    weight_config = _quant_config("mxfp4", patterns).global_quant_config.weight
+    weight_config = quark_config("mxfp4", patterns).global_quant_config.weight
     seconds = 0.0
     for shard in sorted({f for _, _, f in checkpoint.tensors.values()}):
         with safe_open(source / shard, framework="pt") as handle:
@@ -138,7 +138,7 @@ def work_mxspec_file_to_file(source: Path, out: Path) -> dict:
     from pipeline.quant.file_to_file import quantize_file_to_file
 
     _, patterns, quantized = _plan(source)
-    config = _quant_config("mxfp4", patterns)
+    config = quark_config("mxfp4", patterns)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     quantize_file_to_file(source, out, config, quantized)
@@ -149,7 +149,7 @@ def work_quark_file_to_file(source: Path, out: Path) -> dict:
     from quark.torch import ModelQuantizer
 
     _, patterns, _ = _plan(source)
-    config = _quant_config("mxfp4", patterns + ["*conv1d"])
+    config = quark_config("mxfp4", patterns + ["*conv1d"])
     started = time.perf_counter()
     ModelQuantizer(config).direct_quantize_checkpoint(str(source), str(out), device="cpu")
     return {"seconds": time.perf_counter() - started}
@@ -164,7 +164,7 @@ def work_quark_example(source: Path, out: Path) -> dict:
     _, patterns, _ = _plan(source)
     started = time.perf_counter()
     model = transformers.Qwen3_5ForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
-    quantizer = ModelQuantizer(_quant_config("mxfp4", patterns))
+    quantizer = ModelQuantizer(quark_config("mxfp4", patterns))
     model = quantizer.freeze(quantizer.quantize_model(model, None))
     export_safetensors(model, str(out), custom_mode="quark", weight_format="real_quantized", pack_method="reorder")
     return {"seconds": time.perf_counter() - started}
@@ -213,7 +213,6 @@ def main() -> None:
         build_checkpoint(source, args.layers)
     workers = list(WORKERS)
     if args.fp8:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from build_tiny_fp8 import to_fp8
 
         bf16, source = source, args.out / "source-fp8"

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.checkpoints.tokenizer import chat_ids
 from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.speculative.replay import generate_online, replay_sequence
-from pipeline.stages.validate import chat_ids, greedy_continuations
+from pipeline.study.targets import greedy_continuations
 from pipeline.study.workloads import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]

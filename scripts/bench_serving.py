@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from pipeline.checkpoints.tokenizer import chat_ids
 from pipeline.entrypoints import run_pipeline
 from pipeline.recipe import load_recipe
 from pipeline.run.atomic import atomic_write_text
@@ -40,9 +41,9 @@ from pipeline.speculative.acceptance import AcceptanceStats
 from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.speculative.replay import replay_as_vllm_counts, replay_sequence
 from pipeline.stages.resolve import read_resolved
-from pipeline.stages.validate import chat_ids, greedy_continuations, load_target
 from pipeline.study.cells import CellStore
-from pipeline.study.served import ServerCell, serve_matrix
+from pipeline.study.served import MatrixServer, serve_matrix
+from pipeline.study.targets import greedy_continuations, load_target
 from pipeline.study.workloads import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,7 @@ def main() -> None:
     per_prompt = []
     for precision in ("bf16", "mxfp4"):
         target = load_target(paths[precision], precision)
-        served_tokens = serving.tokens[(ServerCell(precision, "dflash", args.block_size).label, WORKLOAD)]
+        served_tokens = serving.tokens[(MatrixServer(precision, "dflash", args.block_size).label, WORKLOAD)]
         served_stats = serving.per_prompt[(WORKLOAD, precision, args.block_size)]
         reference = greedy_continuations(target, tokenizer, prompts, args.max_tokens)
         for prompt, (ref_tokens, prompt_len), served, stats in zip(prompts, reference, served_tokens, served_stats):

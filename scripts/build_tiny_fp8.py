@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402

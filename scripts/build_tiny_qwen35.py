@@ -27,16 +27,13 @@ Usage: python scripts/build_tiny_qwen35.py OUT_DIR [--seed N]
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # runnable without installing the package
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pipeline.checkpoints.meta_models import mtp_tensor_shapes  # noqa: E402
+from pipeline.checkpoints.qwen35 import mtp_tensor_shapes  # noqa: E402
 from pipeline.run.atomic import atomic_directory  # noqa: E402
 from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter, init_weights  # noqa: E402
 

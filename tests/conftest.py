@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,17 +15,6 @@ RECIPES = ROOT / "recipes"
 REFERENCE_TARGET = ROOT / "models" / "smollm2-135m-instruct"
 REFERENCE_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
 TINY = ROOT / "models" / "tiny"
-
-
-def load_script(name: str):
-    """scripts/NAME.py as a module (scripts are not package code, but tests read some of them)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 
 
 @dataclass

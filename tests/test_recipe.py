@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.errors import RecipeError
 from pipeline.recipe import load_recipe
+from pipeline.run.runner import recipe_hash
 from tests.conftest import RECIPES
 
 MINIMAL = """
@@ -56,12 +57,12 @@ def test_local_paths_resolve_against_the_recipe_folder(tmp_path):
     assert recipe.drafter.path == (tmp_path / "drafter").resolve()
 
 
-def test_section_hash_changes_only_with_its_sections(tmp_path):
+def test_a_recipe_hash_changes_only_with_its_sections(tmp_path):
     base = load_recipe(write(tmp_path, MINIMAL))
     changed_gate = load_recipe(write(tmp_path, MINIMAL + "[gate]\nmax_position_gap = 0.2\n"))
-    assert base.section_hash("target", "quantization") == changed_gate.section_hash("target", "quantization")
-    assert base.section_hash("gate") != changed_gate.section_hash("gate")
-    assert base.sha256 != changed_gate.sha256
+    assert recipe_hash(base, "target", "quantization") == recipe_hash(changed_gate, "target", "quantization")
+    assert recipe_hash(base, "gate") != recipe_hash(changed_gate, "gate")
+    assert recipe_hash(base) != recipe_hash(changed_gate)
 
 
 def test_the_prompt_source_is_part_of_validates_fingerprint_only(tmp_path):
@@ -71,8 +72,8 @@ def test_the_prompt_source_is_part_of_validates_fingerprint_only(tmp_path):
     base = load_recipe(write(tmp_path, MINIMAL))
     hub = load_recipe(write(tmp_path, MINIMAL + "[validation]\nprompt_source = 'hub'\n"))
     assert base.validation.prompt_source == "packaged"  # the default: the same prompts on every machine, offline
-    assert base.section_hash(*ValidateStage.sections) != hub.section_hash(*ValidateStage.sections)
-    assert base.section_hash(*QuantizeStage.sections) == hub.section_hash(*QuantizeStage.sections)
+    assert recipe_hash(base, *ValidateStage.sections) != recipe_hash(hub, *ValidateStage.sections)
+    assert recipe_hash(base, *QuantizeStage.sections) == recipe_hash(hub, *QuantizeStage.sections)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,11 @@ from typing import Any, NamedTuple
 
 from pipeline.errors import BadInputError
 
+__all__ = ["WEIGHT_INDEX", "SIDE_FILES", "FUSED_EXPERTS", "PER_EXPERT", "is_side_file", "copy_side_files",
+    "shard_files", "write_index", "text_config", "MTP_PREFIX", "mtp_layers", "has_mtp_head", "export_name",
+    "ExpertPiece", "split_fused_experts", "fused_source", "expert_slice", "expert_rows", "linear_modules",
+    "linear_layers_from_tensors", "Checkpoint", "read_checkpoint"]
+
 WEIGHT_INDEX = "model.safetensors.index.json"
 # Files copied next to the weights: tokenizer, chat template, generation config, and the like.
 SIDE_FILES = re.compile(r".*\.(json|jinja|txt|model|tiktoken|py|md)$")
@@ -78,9 +83,15 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction head, in checkpoint names
 
 
+def mtp_layers(config: dict[str, Any]) -> int:
+    """How many decoder layers the model's multi-token-prediction head has (`mtp_num_hidden_layers`; 0 when
+    it has no head)."""
+    return int(text_config(config).get("mtp_num_hidden_layers") or 0)
+
+
 def has_mtp_head(config: dict[str, Any]) -> bool:
     """Whether the model has a multi-token-prediction head (Qwen3.5's `mtp.*`)."""
-    return bool(text_config(config).get("mtp_num_hidden_layers"))
+    return mtp_layers(config) > 0
 
 
 def export_name(name: str, config: dict[str, Any]) -> str:

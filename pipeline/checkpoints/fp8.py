@@ -26,6 +26,9 @@ from typing import Any
 from pipeline.checkpoints.folder import text_config
 from pipeline.errors import BadInputError
 
+__all__ = ["SCALE_SUFFIX", "E4M3_MAX", "SAFETENSORS_DTYPE", "is_fp8_source", "block_size", "output_dtype",
+    "scale_name", "dequantize", "quantize"]
+
 SCALE_SUFFIX = "_scale_inv"
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 SAFETENSORS_DTYPE = "F8_E4M3"

@@ -1,6 +1,6 @@
 """The real Qwen3.5 and DFlash configs stored as data (`pipeline/checkpoints/configs/<name>.json`), without
 torch: each file is the model's config.json plus a `source` entry (Hub repo, pinned revision, how it was
-obtained, published totals). `pipeline.checkpoints.meta_models` builds them on the meta device; `pipeline.quant.memory`
+obtained, published totals). `pipeline.architectures` builds them on the meta device; `pipeline.quant.memory`
 sizes them for recipes that name their Hub repo."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+__all__ = ["DATA_DIR", "stored_for_repo"]
 
 DATA_DIR = Path(__file__).with_name("configs")
 

@@ -9,6 +9,8 @@ import torch
 from pipeline.errors import BadInputError
 from pipeline.recipe import Calibration
 
+__all__ = ["SHIPPED", "calibration_text", "calibration_windows"]
+
 SHIPPED = Path(__file__).resolve().parents[2] / "calibration" / "shakespeare"
 
 

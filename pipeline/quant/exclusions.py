@@ -19,6 +19,9 @@ from collections.abc import Iterable
 
 from pipeline.errors import BadInputError
 
+__all__ = ["DEFAULT_EXCLUDE", "MTP_PATTERN", "FUSED_GROUPS", "default_exclusions", "exclusion_patterns",
+    "excluded_layers", "check_exclusions", "served_as_kept"]
+
 # Quark's own template defaults (amd-quark 0.13, quark/torch/quantization/config/template.py), which
 # vLLM serves: lm_head, the visual tower and the MTP head stay bf16; for MoE only the routed experts
 # are quantized.

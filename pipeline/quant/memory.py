@@ -3,7 +3,7 @@ one MI355X, from config.json alone (no weights, no torch).
 
 `checkpoint_tensors` spells out every tensor a Qwen3.5 checkpoint carries (the language model, lm_head,
 the vision tower, the MTP head) from the config. Tests hold it to transformers' own layout on the meta
-device (`pipeline.checkpoints.meta_models`) name for name and shape for shape, and to the tiny checkpoints'
+device (`pipeline.architectures`) name for name and shape for shape, and to the tiny checkpoints'
 safetensors headers.
 
 Bytes:
@@ -28,10 +28,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.checkpoints.folder import has_mtp_head, linear_modules, text_config
+from pipeline.checkpoints.folder import has_mtp_head, linear_modules, mtp_layers, text_config
 from pipeline.checkpoints.fp8 import block_size, is_fp8_source
+from pipeline.checkpoints.qwen35 import checkpoint_tensors, drafter_tensors
 from pipeline.quant.exclusions import excluded_layers
 from pipeline.quant.mxfp4 import GROUP_SIZE
+
+__all__ = ["MI355X_BYTES", "BF16_BYTES", "FLOAT32_BYTES", "IN_MEMORY_FACTOR", "IN_MEMORY_BYTES_PER_ELEMENT",
+    "bf16_bytes", "mxfp4_bytes", "fp8_bytes", "source_format", "quantize_mode_for", "available_memory_bytes",
+    "VLLM_GPU_MEMORY_UTILIZATION", "MemoryPlan", "kv_bytes", "state_bytes_per_sequence", "plan_memory"]
 
 MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet "288 GB"; if that means GiB, this errs low
 BF16_BYTES = 2
@@ -42,143 +47,6 @@ IN_MEMORY_FACTOR = 2.5
 # Bytes per element of a model held in memory to quantize it: bf16 as stored; an FP8 source dequantized to
 # float32, the precision Quark's FP8 flow encodes from (`pipeline.checkpoints.fp8`).
 IN_MEMORY_BYTES_PER_ELEMENT = {"bf16": BF16_BYTES, "fp8": FLOAT32_BYTES}
-
-
-def _full_attention(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, heads, kv, head_dim = (int(text[k]) for k in ("hidden_size", "num_attention_heads",
-                                                         "num_key_value_heads", "head_dim"))
-    gate = 2 if text.get("attn_output_gate") else 1  # the output gate doubles q_proj's rows
-    return {f"{prefix}.self_attn.q_proj.weight": (heads * head_dim * gate, hidden),
-            f"{prefix}.self_attn.k_proj.weight": (kv * head_dim, hidden),
-            f"{prefix}.self_attn.v_proj.weight": (kv * head_dim, hidden),
-            f"{prefix}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{prefix}.self_attn.q_norm.weight": (head_dim,),
-            f"{prefix}.self_attn.k_norm.weight": (head_dim,)}
-
-
-def _gated_delta_net(prefix: str, text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden = int(text["hidden_size"])
-    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
-    k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
-    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-    p = f"{prefix}.linear_attn"
-    return {f"{p}.dt_bias": (v_heads,), f"{p}.A_log": (v_heads,),
-            f"{p}.conv1d.weight": (conv_dim, 1, int(text["linear_conv_kernel_dim"])),
-            f"{p}.norm.weight": (v_dim,),
-            f"{p}.out_proj.weight": (hidden, v_heads * v_dim),
-            f"{p}.in_proj_qkv.weight": (conv_dim, hidden),
-            f"{p}.in_proj_z.weight": (v_heads * v_dim, hidden),
-            f"{p}.in_proj_b.weight": (v_heads, hidden),
-            f"{p}.in_proj_a.weight": (v_heads, hidden)}
-
-
-def _mlp(prefix: str, text: dict[str, Any], per_expert: bool) -> dict[str, tuple[int, ...]]:
-    hidden = int(text["hidden_size"])
-    p = f"{prefix}.mlp"
-    if "num_experts" not in text:
-        inter = int(text["intermediate_size"])
-        return {f"{p}.gate_proj.weight": (inter, hidden), f"{p}.up_proj.weight": (inter, hidden),
-                f"{p}.down_proj.weight": (hidden, inter)}
-    experts, inter, shared = (int(text[k]) for k in ("num_experts", "moe_intermediate_size",
-                                                    "shared_expert_intermediate_size"))
-    shapes: dict[str, tuple[int, ...]] = {f"{p}.gate.weight": (experts, hidden)}
-    if per_expert:  # how MTP layers store them
-        for e in range(experts):
-            shapes |= {f"{p}.experts.{e}.gate_proj.weight": (inter, hidden),
-                       f"{p}.experts.{e}.up_proj.weight": (inter, hidden),
-                       f"{p}.experts.{e}.down_proj.weight": (hidden, inter)}
-    else:
-        shapes |= {f"{p}.experts.gate_up_proj": (experts, 2 * inter, hidden),
-                   f"{p}.experts.down_proj": (experts, hidden, inter)}
-    return shapes | {f"{p}.shared_expert.gate_proj.weight": (shared, hidden),
-                     f"{p}.shared_expert.up_proj.weight": (shared, hidden),
-                     f"{p}.shared_expert.down_proj.weight": (hidden, shared),
-                     f"{p}.shared_expert_gate.weight": (1, hidden)}
-
-
-def _decoder_layer(prefix: str, text: dict[str, Any], kind: str, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
-    hidden = int(text["hidden_size"])
-    mixer = _full_attention(prefix, text) if kind == "full_attention" else _gated_delta_net(prefix, text)
-    return mixer | _mlp(prefix, text, per_expert) | {f"{prefix}.input_layernorm.weight": (hidden,),
-                                                     f"{prefix}.post_attention_layernorm.weight": (hidden,)}
-
-
-def _vision_tower(vision: dict[str, Any], prefix: str = "model.visual") -> dict[str, tuple[int, ...]]:
-    hidden, inter, depth = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["depth"])
-    patch, temporal, channels = int(vision["patch_size"]), int(vision["temporal_patch_size"]), int(vision["in_channels"])
-    merged = hidden * int(vision["spatial_merge_size"]) ** 2
-    shapes: dict[str, tuple[int, ...]] = {
-        f"{prefix}.patch_embed.proj.weight": (hidden, channels, temporal, patch, patch),
-        f"{prefix}.patch_embed.proj.bias": (hidden,),
-        f"{prefix}.pos_embed.weight": (int(vision["num_position_embeddings"]), hidden)}
-    for i in range(depth):
-        b = f"{prefix}.blocks.{i}"
-        shapes |= {f"{b}.norm1.weight": (hidden,), f"{b}.norm1.bias": (hidden,),
-                   f"{b}.norm2.weight": (hidden,), f"{b}.norm2.bias": (hidden,),
-                   f"{b}.attn.qkv.weight": (3 * hidden, hidden), f"{b}.attn.qkv.bias": (3 * hidden,),
-                   f"{b}.attn.proj.weight": (hidden, hidden), f"{b}.attn.proj.bias": (hidden,),
-                   f"{b}.mlp.linear_fc1.weight": (inter, hidden), f"{b}.mlp.linear_fc1.bias": (inter,),
-                   f"{b}.mlp.linear_fc2.weight": (hidden, inter), f"{b}.mlp.linear_fc2.bias": (hidden,)}
-    out = int(vision["out_hidden_size"])
-    return shapes | {f"{prefix}.merger.norm.weight": (hidden,), f"{prefix}.merger.norm.bias": (hidden,),
-                     f"{prefix}.merger.linear_fc1.weight": (merged, merged), f"{prefix}.merger.linear_fc1.bias": (merged,),
-                     f"{prefix}.merger.linear_fc2.weight": (out, merged), f"{prefix}.merger.linear_fc2.bias": (out,)}
-
-
-def mtp_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The `mtp.*` tensors: `fc` [H, 2H], three norms and full-attention decoder layers whose routed
-    experts are stored per expert (as Qwen3.5-35B-A3B's checkpoint has them)."""
-    text = text_config(config)
-    hidden = int(text["hidden_size"])
-    layers = int(text.get("mtp_num_hidden_layers", 0) or 0)
-    if layers == 0:
-        return {}
-    shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
-                                          "mtp.pre_fc_norm_embedding.weight": (hidden,),
-                                          "mtp.pre_fc_norm_hidden.weight": (hidden,)}
-    for i in range(layers):
-        shapes |= _decoder_layer(f"mtp.layers.{i}", text, "full_attention", per_expert=True)
-    return shapes
-
-
-def checkpoint_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Qwen3.5 checkpoint (dense or MoE, with or without a vision tower): name -> shape."""
-    text = text_config(config)
-    multimodal = "vision_config" in config
-    # as Qwen3.5 checkpoints name it (the tiny text-only MoE too); transformers' text-only classes map it to `model.`
-    lm = "model.language_model"
-    hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
-    shapes: dict[str, tuple[int, ...]] = {f"{lm}.embed_tokens.weight": (vocab, hidden)}
-    for i, kind in enumerate(text["layer_types"]):
-        shapes |= _decoder_layer(f"{lm}.layers.{i}", text, kind)
-    shapes[f"{lm}.norm.weight"] = (hidden,)
-    if not (text.get("tie_word_embeddings") or config.get("tie_word_embeddings")):
-        shapes["lm_head.weight"] = (vocab, hidden)
-    if multimodal:
-        shapes |= _vision_tower(config["vision_config"])
-    return shapes | mtp_tensor_shapes(config)
-
-
-def drafter_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """A DFlash drafter's own tensors (z-lab's DFlashDraftModel): it borrows the target's embedding and
-    lm_head. `fc` maps the concatenated target layers' hidden states to the drafter's width."""
-    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    taps = len(config["dflash_config"]["target_layer_ids"])
-    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (hidden, taps * hidden), "hidden_norm.weight": (hidden,),
-                                          "norm.weight": (hidden,)}
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"layers.{i}"
-        shapes |= {f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
-                   f"{p}.self_attn.k_proj.weight": (kv * head_dim, hidden),
-                   f"{p}.self_attn.v_proj.weight": (kv * head_dim, hidden),
-                   f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-                   f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,),
-                   f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
-                   f"{p}.mlp.down_proj.weight": (hidden, inter),
-                   f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,)}
-    return shapes
 
 
 def bf16_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
@@ -225,14 +93,15 @@ def source_format(config: dict[str, Any]) -> Literal["bf16", "fp8"]:
     return "fp8" if is_fp8_source(config) else "bf16"
 
 
-def quantize_mode_for(checkpoint_bytes: int, available_bytes: int,
+def quantize_mode_for(elements: int, source: Literal["bf16", "fp8"], available_bytes: int,
                       quantizes_mtp_head: bool = False) -> Literal["in_memory", "file_to_file"]:
-    """What `mode = "auto"` picks: file to file for a quantized MTP head (transformers builds no MTP head,
-    so in memory Quark never sees it), else in memory when the checkpoint fits IN_MEMORY_FACTOR times in
-    free RAM."""
+    """What `mode = "auto"` picks for a model of `elements` weights: file to file for a quantized MTP head
+    (`recipe.NO_MTP_HEAD_IN_MEMORY`), else in memory when the model as held
+    (IN_MEMORY_BYTES_PER_ELEMENT of its source format) fits IN_MEMORY_FACTOR times in free RAM."""
     if quantizes_mtp_head:
         return "file_to_file"
-    return "in_memory" if checkpoint_bytes * IN_MEMORY_FACTOR < available_bytes else "file_to_file"
+    held = elements * IN_MEMORY_BYTES_PER_ELEMENT[source]
+    return "in_memory" if held * IN_MEMORY_FACTOR < available_bytes else "file_to_file"
 
 
 def available_memory_bytes() -> int:
@@ -265,13 +134,13 @@ class MemoryPlan(BaseModel):
     full_length_sequences: int  # how many sequences of max_model_len fit at once on it
 
 
-def kv_bytes(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp: bool, tokens: int) -> int:
+def kv_bytes(config: dict[str, Any], drafter: dict[str, Any] | None, with_mtp_head: bool, tokens: int) -> int:
     """bf16 K and V of one sequence of `tokens` tokens: the target's full-attention layers, its MTP layers
     when MTP runs, and the drafter's layers (a sliding-window layer keeps at most its window)."""
     text = text_config(config)
     per_token = 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * BF16_BYTES
     layers = list(text["layer_types"]).count("full_attention")
-    layers += int(text.get("mtp_num_hidden_layers", 0) or 0) if with_mtp else 0
+    layers += mtp_layers(config) if with_mtp_head else 0
     total = layers * per_token * tokens
     if drafter is not None:
         heads = int(drafter["num_attention_heads"])
@@ -330,8 +199,7 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
     available = available_memory_bytes() if available_bytes is None else available_bytes
     quantizes_mtp_head = quantize_mtp and has_mtp_head(config)
     return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
-                      quantize_mode_here=quantize_mode_for(
-                          bf16 // BF16_BYTES * IN_MEMORY_BYTES_PER_ELEMENT[fmt], available, quantizes_mtp_head),
+                      quantize_mode_here=quantize_mode_for(bf16 // BF16_BYTES, fmt, available, quantizes_mtp_head),
                       quantizes_mtp_head=quantizes_mtp_head,
                       available_bytes=available,
                       max_model_len=length, tensor_parallel_size=tensor_parallel_size, largest_server=largest,

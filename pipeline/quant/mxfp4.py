@@ -46,6 +46,9 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = ["GROUP_SIZE", "E2M1_VALUES", "E2M1_MAX", "E2M1_EMAX", "SIGN_BIT", "SCALE_BIAS", "SCALE_NAN",
+    "SCALE_MODES", "encode", "decode", "fake_quantize", "shared_exponent", "pack_nibbles", "unpack_nibbles"]
+
 GROUP_SIZE = 32
 """Elements sharing one e8m0 scale (OCP MX block size k)."""
 

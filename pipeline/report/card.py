@@ -28,6 +28,8 @@ from pipeline.run.artifacts import (
 )
 from pipeline.run.layout import REPO_FIGURES, RunLayout
 
+__all__ = ["TAGS", "REDO", "RunArtifacts", "base_model_id", "base_model_name", "drafter_name", "render_model_card"]
+
 TAGS = ["mxfp4", "quark", "dflash", "speculative-decoding"]
 REDO = "run `mxspec run RECIPE --out {out}` again"
 
@@ -85,7 +87,7 @@ def drafter_name(recipe: Recipe) -> str:
 
 def render_model_card(recipe: Recipe, run: RunArtifacts, repo_id: str) -> str:
     """README.md for `repo_id`: YAML metadata, then what was done and measured, then what was not."""
-    from pipeline.stages.pair import launch_commands
+    from pipeline.serving.server import launch_commands
 
     quant, pair, report, gate = run.quantize, run.pair, run.report, run.gate
     drafter = pair.drafter

@@ -8,6 +8,8 @@ from pathlib import Path
 from pipeline.report.markdown import config_label, throughput_lifts
 from pipeline.run.artifacts import ServedRow, ValidateReport
 
+__all__ = ["ACCEPTANCE_FIGURES", "SERVING_FIGURES", "FIGURES", "STYLES", "write_figures"]
+
 ACCEPTANCE_FIGURES = ("acceptance_vs_budget.png", "per_position_acceptance.png", "same_text_acceptance.png")
 SERVING_FIGURES = ("speedup.png", "throughput_lift.png")
 FIGURES = ACCEPTANCE_FIGURES + SERVING_FIGURES

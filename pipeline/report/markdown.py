@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from pipeline.run.artifacts import ServedRow, ValidateReport
 
+__all__ = ["ThroughputLift", "config_label", "report_markdown", "acceptance_tables", "same_text_tables",
+    "served_subset_line", "serving_tables", "speed_accounting_table", "throughput_lifts"]
+
 
 @dataclass(frozen=True)
 class ThroughputLift:

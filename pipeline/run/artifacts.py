@@ -22,6 +22,14 @@ from pipeline.recipe import Gate, PromptSource
 from pipeline.run import layout
 from pipeline.run.hashing import digest_of
 
+__all__ = ["MANIFEST_SCHEMA", "QUANTIZE_SCHEMA", "PAIR_SCHEMA", "VALIDATE_SCHEMA", "GATE_SCHEMA",
+    "PUBLISHED_LIST_SCHEMA", "Verdict", "CONSISTENCY_TOLERANCE", "Interval", "Rate", "VOLATILE", "volatile_fields",
+    "StageManifest", "ArtifactT", "ReportSettings", "AcceptanceCell", "DriftRow", "MEASURED_BY", "FidelityRow",
+    "AccuracyRow", "ServedRow", "ValidateReport", "ResolvedModel", "LogitAgreement", "ExportVerification",
+    "QuantizeReport", "ModelRef", "QuantizedRef", "DrafterRef", "PairManifest", "GateCheck", "GateVerdict",
+    "PublishedFiles", "PublishSkipped", "PublishResult", "read_artifact", "write_artifact", "read_validate_report",
+    "ARTIFACTS", "json_schemas"]
+
 MANIFEST_SCHEMA = 1
 QUANTIZE_SCHEMA = "mxspec.quantize/1"
 PAIR_SCHEMA = "mxspec.pair/1"

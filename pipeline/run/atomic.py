@@ -17,6 +17,9 @@ from pathlib import Path
 
 from pipeline.errors import BadInputError
 
+__all__ = ["TMP_MARK", "OLD_MARK", "OWNER_MARK", "atomic_write_bytes", "atomic_write_text", "check_output_file",
+    "is_mxspec_folder", "check_replaceable", "make_dirs", "is_disk_full", "atomic_directory", "sweep_partials"]
+
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
 OWNER_MARK = ".mxspec-output"  # an empty file: "mxspec wrote this folder and may replace it"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pipeline.run.atomic import atomic_write_text
 
+__all__ = ["IGNORED_NAMES", "sha256_file", "canonical_sha256", "sha256_bytes", "list_files", "digest_of", "HashCache"]
+
 _CHUNK = 8 << 20
 IGNORED_NAMES = {".git", ".cache", "__pycache__", ".DS_Store"}
 
@@ -27,6 +29,12 @@ def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> st
             if on_bytes:
                 on_bytes(len(chunk))
     return digest.hexdigest()
+
+
+def canonical_sha256(data) -> str:
+    """sha256 of `data` serialised canonically (JSON with sorted keys; anything else by its str): the one
+    way fingerprints, recipe hashes and cell keys are made, so equal inputs always hash equal."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def sha256_bytes(data: bytes) -> str:

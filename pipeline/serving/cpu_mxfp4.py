@@ -39,11 +39,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from vllm.logger import init_logger
-from vllm.model_executor.kernels.linear import (
-    MxFp4LinearKernel,
-    MxFp4LinearLayerConfig,
-    register_linear_kernel,
-)
+from vllm.model_executor.kernels.linear import MxFp4LinearKernel, MxFp4LinearLayerConfig, register_linear_kernel
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -56,6 +52,9 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, 
 from vllm.platforms import PlatformEnum, current_platform
 
 from pipeline.quant import mxfp4
+
+__all__ = ["logger", "dequantize_weight", "quant_dequant_activations", "CpuMxfp4LinearKernel", "dequantize_experts",
+    "run_experts", "CpuMxfp4MoEMethod", "CpuQuarkConfig", "register"]
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handlers and level apply in the server
 

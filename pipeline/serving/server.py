@@ -24,6 +24,9 @@ from pipeline.recipe import Recipe
 from pipeline.run.versions import package_version
 from pipeline.serving.watchdog import group_alive, start_watched_group
 
+__all__ = ["VLLM_CPU_SITE", "ServerSpec", "vllm_flavour", "has_per_request_acceptance", "free_port", "VllmServer",
+    "launch_commands"]
+
 # Put first on a vllm-cpu server's PYTHONPATH: its sitecustomize makes torchvision importable in every process.
 VLLM_CPU_SITE = Path(__file__).with_name("vllm_site")
 
@@ -220,3 +223,13 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, block_size: int) -> dict[str, str]:
+    """`vllm serve` for the bf16 target and its MXFP4 checkpoint, each speculating with the drafter at its
+    own block size."""
+    from pipeline.serving.server import ServerSpec
+
+    return {f"{precision}_dflash_block{block_size}":
+            ServerSpec.from_recipe(recipe, model, "dflash", block_size, drafter).launch_command()
+            for precision, model in (("bf16", target), ("mxfp4", quantized))}

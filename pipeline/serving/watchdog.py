@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+__all__ = ["POLL_S", "GRACE_S", "group_alive", "watch", "start_watched_group"]
+
 POLL_S = 0.5
 GRACE_S = 5.0
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+__all__ = ["VLLM_DRAFTS", "VLLM_DRAFT_TOKENS", "VLLM_ACCEPTED", "VLLM_ACCEPTED_PER_POS", "AcceptanceStats"]
+
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"

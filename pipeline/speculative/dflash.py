@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["ARCHITECTURE", "DFlashConfig", "RMSNorm", "rope_cos_sin", "apply_rope", "DraftAttention", "DraftMLP",
+    "DraftLayer", "DFlashDrafter", "init_weights", "tie_context_key_norms"]
+
 ARCHITECTURE = "DFlashDraftModel"
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.checkpoints.folder import has_mtp_head, text_config
+from pipeline.checkpoints.folder import MTP_PREFIX, has_mtp_head, mtp_layers, text_config
 from pipeline.speculative.replay import Replay, TargetHooks, accept_along, extend_greedy
 
-PREFIX = "mtp."
+__all__ = ["MtpHead", "mtp_drafts", "replay_mtp", "replay_mtp_as_vllm_counts", "load_mtp_head"]
 
 
 class MtpHead(nn.Module):
@@ -47,7 +47,7 @@ class MtpHead(nn.Module):
         self.pre_fc_norm_hidden = Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(
-            [Qwen3_5DecoderLayer(config, full) for _ in range(getattr(config, "mtp_num_hidden_layers", 1))]
+            [Qwen3_5DecoderLayer(config, full) for _ in range(mtp_layers(config.to_dict()))]
         )
         self.norm = Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary = Qwen3_5TextRotaryEmbedding(config)
@@ -68,11 +68,11 @@ class MtpHead(nn.Module):
 
     def checkpoint_tensors(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """The head's weights under the checkpoint's `mtp.*` names."""
-        return {PREFIX + k: v.detach().to(dtype).contiguous().clone() for k, v in self.state_dict().items()}
+        return {MTP_PREFIX + k: v.detach().to(dtype).contiguous().clone() for k, v in self.state_dict().items()}
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load the `mtp.*` tensors of a checkpoint (strict: every tensor of the head, nothing else)."""
-        own = {k.removeprefix(PREFIX): v for k, v in tensors.items() if k.startswith(PREFIX)}
+        own = {k.removeprefix(MTP_PREFIX): v for k, v in tensors.items() if k.startswith(MTP_PREFIX)}
         self.load_state_dict(own, strict=True)
 
 
@@ -135,9 +135,9 @@ def load_mtp_head(folder: Path) -> MtpHead | None:
     tensors = {}
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(shard, "pt") as handle:
-            tensors |= {name: handle.get_tensor(name) for name in handle.keys() if name.startswith(PREFIX)}
+            tensors |= {name: handle.get_tensor(name) for name in handle.keys() if name.startswith(MTP_PREFIX)}
     head = MtpHead(AutoConfig.from_pretrained(folder).get_text_config())
-    if set(tensors) != {PREFIX + name for name in head.state_dict()} or \
+    if set(tensors) != {MTP_PREFIX + name for name in head.state_dict()} or \
             any(not t.is_floating_point() or t.element_size() < 2 for t in tensors.values()):
         return None
     head.load_checkpoint_tensors({name: t.float() for name, t in tensors.items()})

@@ -15,6 +15,10 @@ import torch
 
 from pipeline.speculative.dflash import DFlashDrafter
 
+__all__ = ["TargetHooks", "target_features", "block_attention_mask", "draft_at_anchors", "Replay",
+    "replay_acceptance", "accept_along", "same_text_accepted", "replay_sequence", "TargetPass", "replay_pass",
+    "extend_greedy", "replay_as_vllm_counts", "OnlineRun", "generate_online"]
+
 
 @dataclass
 class TargetHooks:

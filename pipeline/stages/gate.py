@@ -37,6 +37,9 @@ from pipeline.run.layout import JUNIT_FILE, SUMMARY_FILE, VERDICT_FILE
 from pipeline.run.runner import StageContext
 from pipeline.study.drift import decide, drop_interval
 
+__all__ = ["SEVERITY", "read_report", "gate_report", "ICON", "summary_markdown", "junit_xml", "write_gate_outputs",
+    "read_verdict", "GateStage", "raise_unless_passed"]
+
 SEVERITY = {"pass": 0, "inconclusive": 1, "fail": 2}
 
 

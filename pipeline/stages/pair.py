@@ -16,23 +16,18 @@ import re
 from pathlib import Path
 
 from pipeline.checkpoints.folder import MTP_PREFIX, has_mtp_head, read_checkpoint, text_config
+from pipeline.checkpoints.tokenizer import tokenizer_hashes
 from pipeline.errors import BadInputError
-from pipeline.recipe import Recipe
-from pipeline.run.artifacts import (
-    DrafterRef,
-    ModelRef,
-    PairManifest,
-    QuantizedRef,
-    ResolvedModel,
-    write_artifact,
-)
+from pipeline.run.artifacts import DrafterRef, ModelRef, PairManifest, QuantizedRef, ResolvedModel, write_artifact
 from pipeline.run.hashing import HashCache, digest_of, list_files
 from pipeline.run.layout import PAIR_FILE
 from pipeline.run.runner import StageContext
+from pipeline.serving.server import launch_commands
 from pipeline.stages.resolve import read_resolved
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "special_tokens_map.json")
+__all__ = ["drafter_target_mismatches", "pairing_problems", "check_compatibility", "check_unchanged",
+    "mtp_declaration_problems", "PairStage"]
+
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -68,10 +63,6 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _tokenizer_hashes(model: ResolvedModel) -> dict[str, str]:
-    return {name: sha for name, sha in model.files.items() if name in TOKENIZER_FILES}
-
-
 def pairing_problems(drafter: dict, target: dict, budgets: list[int],
                      drafter_tokenizer: dict[str, str], target_tokenizer: dict[str, str]) -> list[str]:
     """Why a drafter cannot pair with a target, from their configs and tokenizer-file hashes alone
@@ -91,8 +82,8 @@ def pairing_problems(drafter: dict, target: dict, budgets: list[int],
 
 
 def check_compatibility(target: ResolvedModel, drafter: ResolvedModel, budgets: list[int]) -> None:
-    problems = pairing_problems(drafter.config, target.config, budgets, _tokenizer_hashes(drafter),
-                                _tokenizer_hashes(target))
+    problems = pairing_problems(drafter.config, target.config, budgets, tokenizer_hashes(Path(drafter.path), drafter.files),
+                                tokenizer_hashes(Path(target.path), target.files))
     if problems:
         raise BadInputError(f"drafter {drafter.ref} does not pair with target {target.ref}: {problems[0]}"
                             + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
@@ -147,16 +138,6 @@ def mtp_declaration_problems(export: Path, source_config: dict) -> list[str]:
     return problems
 
 
-def launch_commands(recipe: Recipe, target: str, quantized: str, drafter: str, block_size: int) -> dict[str, str]:
-    """`vllm serve` for the bf16 target and its MXFP4 checkpoint, each speculating with the drafter at its
-    own block size."""
-    from pipeline.serving.server import ServerSpec
-
-    return {f"{precision}_dflash_block{block_size}":
-            ServerSpec.from_recipe(recipe, model, "dflash", block_size, drafter).launch_command()
-            for precision, model in (("bf16", target), ("mxfp4", quantized))}
-
-
 class PairStage:
     name = "pair"
     version = 3
@@ -175,7 +156,7 @@ class PairStage:
         hashes = check_unchanged(drafter, ctx.recipe.drafter.sha256, ctx.hashes)
         quantized_dir = ctx.run.checkpoint
         quantized_files = {name: ctx.hashes.file(quantized_dir / name) for name in list_files(quantized_dir)}
-        for name in sorted(_tokenizer_hashes(target)):
+        for name in sorted(tokenizer_hashes(Path(target.path), target.files)):
             if quantized_files.get(name) != target.files[name]:
                 raise BadInputError(f"the MXFP4 checkpoint's {name} differs from the target's; re-run quantize")
         if problems := mtp_declaration_problems(quantized_dir, target.config):

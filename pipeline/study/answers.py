@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+__all__ = ["CHECKABLE", "Answer", "last_boxed", "normalize_latex", "is_correct"]
+
 CHECKABLE = ("gsm8k", "math500")
 
 

@@ -19,8 +19,6 @@ storage), so it runs the same on either.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import shutil
 import time
@@ -33,6 +31,12 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.run.atomic import OWNER_MARK, atomic_directory, make_dirs, sweep_partials
+from pipeline.run.hashing import canonical_sha256
+
+__all__ = ["CELL_FILE", "RESULT_FILE", "TIMING_FILE", "CELL_SCHEMA", "SCORE_CELL", "server_label",
+    "serving_cell_name", "ar_cell_name", "reference_cell_name", "replay_cell_name", "ReferenceCellSpec",
+    "reference_cell_specs", "fingerprint", "CellRecord", "CellWorkspace", "Cell", "Measured", "CellEvents",
+    "CellStore", "read_timing", "Executor", "LocalExecutor", "run_cells"]
 
 CELL_FILE = "cell.json"
 RESULT_FILE = "result.json"  # a cell's measurements, in the model of the code that measures it
@@ -43,9 +47,19 @@ CELL_SCHEMA = "mxspec.cell/1"
 SCORE_CELL = "score-mxfp4"  # an MXFP4 AR server scoring the bf16 AR server's text (served fidelity)
 
 
+def server_label(precision: str, method: str, budget: int | None) -> str:
+    """A server of the matrix, named: e.g. 'mxfp4-dflash-b8' (block size 8), 'bf16-ar'."""
+    return f"{precision}-{method}" + (f"-b{budget}" if budget else "")
+
+
 def serving_cell_name(label: str) -> str:
     """e.g. 'serve-mxfp4-dflash-b8' for the server labelled 'mxfp4-dflash-b8'."""
     return f"serve-{label}"
+
+
+def ar_cell_name(precision: str) -> str:
+    """The AR server's cell of one precision: its greedy text is what served fidelity and the replays read."""
+    return serving_cell_name(server_label(precision, "ar", None))
 
 
 def reference_cell_name(precision: str, workload: str) -> str:
@@ -57,9 +71,37 @@ def replay_cell_name(precision: str, workload: str) -> str:
     return f"replay-{precision}-{workload}"
 
 
+@dataclass(frozen=True)
+class ReferenceCellSpec:
+    """One cell of the reference backend and what it reads, before anything measures it."""
+
+    name: str
+    precision: str
+    workload: str
+    text_cell: str | None  # the AR serving cell whose greedy text it replays (None: it generates its own)
+    bf16_cell: str | None  # the bf16 cell whose texts this MXFP4 cell verifies (same text, fidelity)
+
+    @property
+    def after(self) -> tuple[str, ...]:
+        return tuple(cell for cell in (self.text_cell, self.bf16_cell) if cell)
+
+
+def reference_cell_specs(precisions: Iterable[str], workloads: Iterable[str], *,
+                         along_served_text: bool) -> list[ReferenceCellSpec]:
+    """The reference backend's cells in the order they are measured, bf16 first: each MXFP4 cell verifies
+    its workload's bf16 texts. Along the served text they are replay cells that read the AR servers' text.
+    The study (`study.reference`) and its plan (`study.plan`) both list them from here."""
+    name = replay_cell_name if along_served_text else reference_cell_name
+    precisions = sorted(precisions, key=["bf16", "mxfp4"].index)
+    return [ReferenceCellSpec(name=name(precision, workload), precision=precision, workload=workload,
+                              text_cell=ar_cell_name(precision) if along_served_text else None,
+                              bf16_cell=name("bf16", workload) if precision == "mxfp4" and "bf16" in precisions else None)
+            for precision in precisions for workload in workloads]
+
+
 def fingerprint(**parts) -> str:
     """sha256 of the parts, canonically serialised (JSON, sorted keys)."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    return canonical_sha256(parts)
 
 
 class CellRecord(BaseModel):

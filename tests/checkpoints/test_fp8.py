@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pipeline.checkpoints import fp8
+from pipeline.checkpoints.reader import CheckpointReader, ShardReader
 from pipeline.errors import BadInputError
-from pipeline.quant.file_to_file import CheckpointReader, ShardReader
 
 CONFIG = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}, "dtype": "bfloat16"}
 
@@ -144,7 +144,7 @@ def test_the_validated_source_of_an_fp8_target_is_its_dequantized_model(tiny, ti
     """validate's unquantized baseline for an FP8 source is the FP8 model dequantized; it computes what the
     bf16 checkpoint it was made from computes, up to e4m3 rounding (which can flip a random router's near-tie
     to other experts for a token: median cosine 0.998, the worst token 0.92)."""
-    from pipeline.stages.validate import load_target
+    from pipeline.study.targets import load_target
 
     ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.checkpoints.meta_models import linear_layers
+from pipeline.architectures import linear_layers
 from pipeline.errors import BadInputError
 from pipeline.quant.exclusions import check_exclusions, default_exclusions
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.quant.file_to_file import ShardReader, StreamingSafetensorsWriter, _plan_shard
+from pipeline.checkpoints.reader import ShardReader
+from pipeline.checkpoints.writer import StreamingSafetensorsWriter
+from pipeline.quant.file_to_file import _plan_shard
 
 TENSORS = {
     "a.weight": torch.randn(4, 64, dtype=torch.bfloat16),

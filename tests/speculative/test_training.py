@@ -1,14 +1,13 @@
-"""The drafter-training objective (scripts/train_dflash_drafter.py): what a block position is scored against."""
+"""The drafter-training objective (pipeline/speculative/training.py): what a block position is scored against."""
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.speculative import training
 from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter, init_weights
 from pipeline.speculative.replay import TargetHooks
-from tests.conftest import load_script
 
-training = load_script("train_dflash_drafter")
 VOCAB, HIDDEN, PROMPT_LEN = 64, 32, 6
 
 
@@ -121,3 +120,15 @@ def test_a_grown_drafter_drafts_exactly_as_before_and_its_new_layers_learn():
     for layer in grown.layers[1:]:
         assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0
         assert layer.mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_the_training_command_line_refuses_add_layers_without_a_drafter_to_grow():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    command = [sys.executable, str(ROOT / "scripts" / "train_dflash_drafter.py"), "--target", "t", "--out", "o",
+               "--add-layers", "1"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "pass --init-from-drafter DIR too" in refused.stderr

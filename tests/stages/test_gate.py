@@ -13,9 +13,11 @@ from pipeline.recipe import Gate, Recipe
 from pipeline.run.artifacts import ServedRow, read_validate_report, write_artifact
 from pipeline.speculative.acceptance import AcceptanceStats
 from pipeline.stages.gate import gate_report, summary_markdown
-from pipeline.stages.validate import Answer, ReferenceMeasurements, build_report, report_settings
+from pipeline.study.answers import Answer
+from pipeline.study.assembly import build_report, report_settings
 from pipeline.study.drift import decide, drop_interval
 from pipeline.study.fidelity import PromptFidelity
+from pipeline.study.reference import ReferenceMeasurements
 
 
 def per_prompt_stats(accept: float, n: int, seed: int, block: int, steps: int = 30) -> list[AcceptanceStats]:
@@ -236,8 +238,8 @@ def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_targe
     import torch
     from safetensors.torch import load_file, save_file
 
+    from pipeline.quant.export import quantize_checkpoint
     from pipeline.recipe import Quantization
-    from pipeline.stages.quantize import quantize_checkpoint
     from tests.conftest import reference_recipe_with
 
     degraded = tmp_path / "degraded"
@@ -265,9 +267,9 @@ def test_a_deliberately_degraded_target_fails_the_gate(tmp_path, reference_targe
 
 def _validate_and_gate(tmp_path, recipe, bf16: Path, export: Path):
     """validate (reference backend) and the gate over its report, as the pipeline runs them."""
-    from pipeline.stages.validate import validate
+    from pipeline.study.measure import measure_study
 
-    report = validate(recipe, bf16, export, recipe.drafter.path, tmp_path / "logs").report
+    report = measure_study(recipe, bf16, export, recipe.drafter.path, tmp_path / "logs").report
     path = tmp_path / "validate" / "report.json"
     path.parent.mkdir(parents=True)
     write_artifact(report, path)
@@ -288,8 +290,8 @@ def test_a_damaged_target_whose_own_text_got_easier_to_draft_fails_as_target_deg
     """The reference recipe's W+A export (weights and activations MXFP4 on a 135M model) writes text the
     drafter accepts *more* of on MT-Bench, yet it no longer predicts bf16's text: the gate fails it for
     the target, not for the drafter."""
+    from pipeline.quant.export import quantize_checkpoint
     from pipeline.report.markdown import report_markdown
-    from pipeline.stages.quantize import quantize_checkpoint
 
     export = tmp_path / "wa"
     quantize_checkpoint(reference_target, export, mt_bench_recipe.quantization)
@@ -309,8 +311,8 @@ def test_a_damaged_target_whose_own_text_got_easier_to_draft_fails_as_target_deg
 @pytest.mark.slow
 def test_an_export_that_barely_changes_the_target_passes_every_measure(tmp_path, reference_target, mt_bench_recipe):
     """Only layer 0's MLP quantized (weight-only): the same drafter, the same text, the same verdict."""
+    from pipeline.quant.export import quantize_checkpoint
     from pipeline.recipe import Quantization
-    from pipeline.stages.quantize import quantize_checkpoint
 
     export = tmp_path / "layer0"
     quantize_checkpoint(reference_target, export, Quantization(

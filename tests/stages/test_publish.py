@@ -23,9 +23,10 @@ import pytest
 from huggingface_hub import HfApi, ModelCard, constants, snapshot_download
 
 from pipeline.entrypoints import run_pipeline
+from pipeline.hub.upload import publish_plan
 from pipeline.recipe import load_recipe
 from pipeline.run.hashing import HashCache
-from pipeline.stages.publish import plan_publish, publish_plan
+from pipeline.stages.publish import plan_publish
 from tests.support import local_hub
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")]

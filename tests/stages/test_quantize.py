@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.stages.quantize as quantize_module
+import pipeline.quant.export as export_module
 from pipeline.checkpoints.folder import read_checkpoint
+from pipeline.checkpoints.qwen35 import checkpoint_tensors
 from pipeline.errors import BadInputError, ExternalError
-from pipeline.quant.memory import checkpoint_tensors, mxfp4_bytes
+from pipeline.quant.export import choose_mode, plan_exclusions, quantize_checkpoint
+from pipeline.quant.memory import mxfp4_bytes
+from pipeline.quant.quark import import_quark
+from pipeline.quant.verify import verify_export
 from pipeline.recipe import Calibration, Quantization
-from pipeline.stages.quantize import choose_mode, plan_exclusions, quantize_checkpoint
 
 
 # --- planning (no Quark) -----------------------------------------------------------------------
@@ -81,9 +84,9 @@ def test_an_fp8_source_is_held_in_float32_to_quantize_in_memory(tiny_fp8, monkey
     checkpoint = read_checkpoint(tiny_fp8)
     elements = sum(math.prod(shape) for name, (shape, _, _) in checkpoint.tensors.items()
                    if not name.endswith("_scale_inv"))
-    monkeypatch.setattr(quantize_module, "available_memory_bytes", lambda: int(elements * 4 * 2.5) + 1)
+    monkeypatch.setattr(export_module, "available_memory_bytes", lambda: int(elements * 4 * 2.5) + 1)
     assert choose_mode(Quantization(mode="auto"), checkpoint) == "in_memory"
-    monkeypatch.setattr(quantize_module, "available_memory_bytes", lambda: int(elements * 4 * 2.5) - 1)
+    monkeypatch.setattr(export_module, "available_memory_bytes", lambda: int(elements * 4 * 2.5) - 1)
     assert choose_mode(Quantization(mode="auto"), checkpoint) == "file_to_file"
 
 
@@ -159,9 +162,9 @@ def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, sc
     # one; mean cosine here is 0.87-0.96), and differ from them (it really is quantized).
     import torch
 
-    from pipeline.stages.validate import load_target
+    from pipeline.study.targets import load_target
 
-    reloaded = quantize_module._quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")
+    reloaded = import_quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")
     ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         quantized, source = reloaded.float().eval()(ids).logits[0], load_target(tiny / name, "bf16")(ids).logits[0]
@@ -178,7 +181,7 @@ def test_an_fp8_source_gives_the_same_bytes_in_both_modes_and_is_verified(tmp_pa
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.stages.quantize import load_source
+    from pipeline.checkpoints.reader import load_source
 
     def as_bytes(tensor) -> bytes:
         return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
@@ -201,7 +204,7 @@ def test_an_fp8_source_gives_the_same_bytes_in_both_modes_and_is_verified(tmp_pa
     assert exports["in_memory"] == exports["file_to_file"]  # names included: a text-only class names its decoder model.*
     # The export reloads in Quark's importer and computes about what the dequantized source computes.
     source = read_checkpoint(tiny_fp8)
-    reloaded = quantize_module._quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")
+    reloaded = import_quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")
     dequantized = load_source(tiny_fp8).eval()
     ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -214,14 +217,14 @@ def test_an_fp8_source_gives_the_same_bytes_in_both_modes_and_is_verified(tmp_pa
     tensors[name] = (tensors[name].view(torch.int16) + 1).view(torch.bfloat16)
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ExternalError, match="is not its FP8 source weight dequantized"):
-        quantize_module.verify_export(source, tmp_path / "file_to_file", summary.exclude)
+        verify_export(source, tmp_path / "file_to_file", summary.exclude)
 
 
 @pytest.mark.slow
 def test_moe_export_that_kept_bf16_experts_fails(tmp_path, tiny, monkeypatch):
     # Skip Quark's MoE preparation: its export then keeps the fused bf16 experts and still writes a
     # quark quantization_config. The verification must refuse it.
-    monkeypatch.setattr(quantize_module, "_prepare_moe", lambda model: None)
+    monkeypatch.setattr(export_module, "prepare_moe", lambda model: None)
     with pytest.raises(ExternalError) as info:
         quantize_checkpoint(tiny / "qwen3.5-moe-tiny", tmp_path / "out", Quantization(mode="in_memory"))
     assert "routed experts in bf16" in str(info.value) or "holds no MXFP4 tensor" in str(info.value)

@@ -57,12 +57,11 @@ def test_mxfp4_target_decodes_weights_once_with_identical_logits(report):
     """The validate loader decodes packed weights once; outputs equal Quark's per-forward unpacking."""
     import torch
 
+    from pipeline.quant.quark import decode_weights_once, import_quark
     from pipeline.run.layout import CHECKPOINT
-    from pipeline.stages.quantize import _quark
-    from pipeline.stages.validate import decode_weights_once
 
     checkpoint = report.parent / "quantize" / CHECKPOINT
-    model = _quark().import_model_from_safetensors(None, str(checkpoint), device="cpu").float().eval()
+    model = import_quark().import_model_from_safetensors(None, str(checkpoint), device="cpu").float().eval()
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         packed = model(tokens).logits
@@ -77,7 +76,7 @@ def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(model):
     unbatched greedy decoding, for hybrid linear-attention layers too."""
     from transformers import AutoTokenizer
 
-    from pipeline.stages.validate import greedy_continuations, load_target
+    from pipeline.study.targets import greedy_continuations, load_target
     from pipeline.study.workloads import load_prompts
 
     path = ROOT / "models" / model

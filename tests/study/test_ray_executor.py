@@ -172,8 +172,8 @@ def test_shards_quantized_on_ray_are_the_bytes_of_local_file_to_file(tmp_path, t
     """The tiny FP8 MoE target (two shards, one weight's scale in the other shard), quantized file-to-file
     here and as two Ray tasks (one per shard, on either node): every output file is identical, and both
     pass the bit-exact check."""
+    from pipeline.quant.export import quantize_checkpoint
     from pipeline.recipe import Quantization
-    from pipeline.stages.quantize import quantize_checkpoint
 
     source = tiny_fp8
     spec = Quantization(mode="file_to_file")

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoints import meta_models as arch
+from pipeline import architectures as arch
 from pipeline.checkpoints.folder import text_config
 from pipeline.speculative.dflash import DFlashConfig, DFlashDrafter
 from pipeline.stages.pair import drafter_target_mismatches
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # Published figures (qwen35-configs.md): tensors, params, bf16 GB, and the language/mtp/visual split.
 PUBLISHED = {
@@ -64,7 +64,7 @@ def _split(names) -> dict[str, list[str]]:
 def test_stored_config_is_a_loadable_hf_config_with_its_source(name):
     config = arch.load_config(name)
     assert "source" not in config
-    source = arch.load_source(name)
+    source = arch.provenance(name)
     assert (source["repo"], source["revision"]) == REVISIONS[name]
     assert source["obtained"]
     if arch.is_drafter(config):
@@ -120,13 +120,13 @@ def test_tensor_counts_and_parameter_totals_match_published(name):
     params = arch.parameter_count(name)
     assert params == published["params"]
     assert round(params * 2 / 1e9, 2) == published["gb"]  # bf16 bytes
-    assert arch.load_source(name)["published"]["params"] == params
+    assert arch.provenance(name)["published"]["params"] == params
 
 
 def test_122b_a10b_reconstructed_config_gives_the_published_totals():
     """Tensors and parameters exactly. The published bytes exceed 2 x parameters by what storing each
     gated-delta-net layer's A_log (64) and norm (128) in float32 adds: 36 x 192 x 2 bytes."""
-    published = arch.load_source("qwen3.5-122b-a10b")["published"]
+    published = arch.provenance("qwen3.5-122b-a10b")["published"]
     assert len(arch.checkpoint_tensor_names("qwen3.5-122b-a10b")) == published["tensors"] == 1949
     assert arch.parameter_count("qwen3.5-122b-a10b") == published["params"] == 125_086_497_008
     assert published["bytes"] - 2 * published["params"] == 36 * (64 + 128) * 2
@@ -135,7 +135,7 @@ def test_122b_a10b_reconstructed_config_gives_the_published_totals():
 def test_9b_reconstructed_config_gives_the_published_size_with_float32_vectors():
     """As for 122B-A10B: 24 gated-delta-net layers x (A_log 32 + norm 128) in float32 are the 7,680 bytes
     between the published size and 2 x this config's parameters."""
-    published = arch.load_source("qwen3.5-9b")["published"]
+    published = arch.provenance("qwen3.5-9b")["published"]
     names = arch.checkpoint_tensor_names("qwen3.5-9b")
     assert published["bytes"] - 2 * arch.parameter_count("qwen3.5-9b") == 24 * (32 + 128) * 2
     assert {part: len(v) for part, v in _split(names).items() if part != "language"} == \

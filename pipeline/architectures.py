@@ -31,8 +31,11 @@ import torch
 from torch import nn
 
 from pipeline.checkpoints.folder import linear_layers_from_tensors
+from pipeline.checkpoints.qwen35 import mtp_tensor_shapes
 from pipeline.checkpoints.stored_configs import DATA_DIR
-from pipeline.quant.memory import mtp_tensor_shapes
+
+__all__ = ["TARGETS", "DRAFTERS", "UNPAIRED_DRAFTERS", "NAMES", "load_config", "provenance", "is_drafter",
+    "hf_config", "meta_model", "checkpoint_tensor_names", "linear_layers", "parameter_count"]
 
 TARGETS: tuple[str, ...] = ("qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3.5-9b", "qwen3.5-122b-a10b", "qwen3.5-397b-a17b-fp8")
 DRAFTERS: dict[str, str] = {  # target -> its drafter, where both configs are stored
@@ -43,7 +46,6 @@ DRAFTERS: dict[str, str] = {  # target -> its drafter, where both configs are st
 UNPAIRED_DRAFTERS: tuple[str, ...] = ("qwen3.5-4b-dflash",)  # its target's full config was not found
 NAMES: tuple[str, ...] = (*TARGETS, *DRAFTERS.values(), *UNPAIRED_DRAFTERS)
 
-MTP_PREFIX = "mtp."
 
 
 def _data(name: str) -> dict[str, Any]:
@@ -60,7 +62,7 @@ def load_config(name: str) -> dict[str, Any]:
     return data
 
 
-def load_source(name: str) -> dict[str, Any]:
+def provenance(name: str) -> dict[str, Any]:
     """Where the stored config came from: repo, pinned revision, how obtained, published totals."""
     return _data(name)["source"]
 
