@@ -12,7 +12,7 @@ Checkpoint names versus the transformers model (transformers 5.x):
   including the MoE's fused `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj`
   [E, H, I] (no `.weight` suffix).
 - The checkpoint also holds the multi-token-prediction head `mtp.*`, which transformers does not
-  instantiate (it ignores `^mtp.*` on load). `mtp_tensor_shapes` (`pipeline.quant.memory`) supplies it: `mtp.fc` [H, 2H], three
+  instantiate (it ignores `^mtp.*` on load). `mtp_tensor_shapes` (`pipeline.checkpoints.qwen35`) supplies it: `mtp.fc` [H, 2H], three
   norms, and `mtp.layers.0.*` = one full-attention decoder layer; in MoE checkpoints its routed
   experts are stored PER EXPERT: `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`.
 - The text-only classes (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) name the language model

@@ -87,6 +87,28 @@ def tiny_reference_recipe(folder: Path, tiny: Path, extra: str = "") -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_reference_run(tmp_path_factory, tiny) -> Path:
+    """A folder with the tiny reference study's recipe.toml and its finished run in out/, run once for the
+    session. Read-only: a test that changes the run works on `copy_run(tiny_reference_run, ...)`."""
+    from pipeline.entrypoints import run_pipeline
+    from pipeline.recipe import load_recipe
+
+    folder = tmp_path_factory.mktemp("tiny-reference")
+    run_pipeline(load_recipe(tiny_reference_recipe(folder, tiny)), folder / "out")
+    return folder
+
+
+def copy_run(folder: Path, dest: Path, out: str = "out") -> Path:
+    """dest/recipe.toml and dest/OUT: a copy of a fixture's recipe and finished run, for a test to change."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(folder / "recipe.toml", dest / "recipe.toml")
+    shutil.copytree(folder / "out", dest / out, symlinks=True)
+    return dest
+
+
 def validate_killed_once_a_cell_is_kept(recipe: Path, out: Path, *extra: str) -> list[str]:
     """`mxspec run RECIPE --until validate` in its own process group, SIGKILLed (with everything it
     started) as soon as its first cell is kept; returns the command, to run it again."""

@@ -57,6 +57,18 @@ def resolved_file(role: str) -> str:
     return f"{role}.json"
 
 
+class _StageFile:
+    """A file in one stage's folder, read as a path attribute of a `RunLayout`."""
+
+    def __init__(self, stage: str, name: str):
+        self.stage, self.name = stage, name
+
+    def __get__(self, layout: RunLayout | None, owner: type | None = None) -> Path:
+        if layout is None:
+            raise AttributeError(f"{self.stage}/{self.name} is a path of a RunLayout instance")
+        return layout.stage(self.stage) / self.name
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """The paths of one run folder."""
@@ -95,37 +107,15 @@ class RunLayout:
     def resolved(self, role: str) -> Path:
         return self.stage("resolve") / resolved_file(role)
 
-    @property
-    def quantize_report(self) -> Path:
-        return self.stage("quantize") / QUANTIZE_REPORT
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.stage("quantize") / CHECKPOINT
-
-    @property
-    def pair(self) -> Path:
-        return self.stage("pair") / PAIR_FILE
-
-    @property
-    def report(self) -> Path:
-        return self.stage("validate") / REPORT_FILE
-
-    @property
-    def report_markdown(self) -> Path:
-        return self.stage("validate") / REPORT_MARKDOWN
-
-    @property
-    def verdict(self) -> Path:
-        return self.stage("gate") / VERDICT_FILE
-
-    @property
-    def summary(self) -> Path:
-        return self.stage("gate") / SUMMARY_FILE
-
-    @property
-    def publish_result(self) -> Path:
-        return self.stage("publish") / PUBLISH_FILE
+    # Each stage's main outputs, as OUT/<stage>/<file>
+    quantize_report = _StageFile("quantize", QUANTIZE_REPORT)
+    checkpoint = _StageFile("quantize", CHECKPOINT)
+    pair = _StageFile("pair", PAIR_FILE)
+    report = _StageFile("validate", REPORT_FILE)
+    report_markdown = _StageFile("validate", REPORT_MARKDOWN)
+    verdict = _StageFile("gate", VERDICT_FILE)
+    summary = _StageFile("gate", SUMMARY_FILE)
+    publish_result = _StageFile("publish", PUBLISH_FILE)
 
     def reports(self) -> list[Path]:
         """The run's own reports, in the order a published repo lists them under mxspec/."""

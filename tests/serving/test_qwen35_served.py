@@ -136,7 +136,7 @@ def _per_prompt_replays(cell: ServingCellResult, tokenizer, replay) -> list[tupl
 
 def test_served_bf16_dflash_accepts_exactly_what_the_reference_replay_accepts_on_the_served_text(served, tiny):
     """Per prompt, vLLM's counts (from /metrics) equal the reference drafter's replay over the text the
-    server wrote, replayed untrimmed as vLLM counts (tests/study/test_served.py states the rule on
+    server wrote, replayed untrimmed as vLLM counts (tests/serving/test_vllm_validate.py states the rule on
     the reference pair): the DFlash drafter drafts in vLLM as `pipeline.speculative.dflash` does on a hybrid target."""
     _, out, _, _, name = served
     target_name, drafter_name, *_ = TARGETS[name]

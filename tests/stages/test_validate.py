@@ -10,16 +10,15 @@ import pytest
 from pipeline.entrypoints import run_pipeline
 from pipeline.recipe import load_recipe
 from pipeline.run.artifacts import VALIDATE_SCHEMA, ValidateReport
-from tests.conftest import ROOT, cli_env, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
+from tests.conftest import ROOT, cli_env, copy_run, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, tiny):
-    folder = tmp_path_factory.mktemp("validate")
-    run_pipeline(load_recipe(tiny_reference_recipe(folder, tiny)), folder / "out")
-    return folder / "out" / "validate"
+def report(tmp_path_factory, tiny_reference_run):
+    """The tiny reference study's validate folder, in a copy of the session's run that these tests change."""
+    return copy_run(tiny_reference_run, tmp_path_factory.mktemp("validate")) / "out" / "validate"
 
 
 def test_report_has_every_cell_and_drift_row(report):

@@ -19,7 +19,7 @@ import ray
 from pipeline.entrypoints import run_pipeline
 from pipeline.recipe import Cluster, load_recipe
 from pipeline.study.cells import TIMING_FILE, Cell, CellStore, run_cells
-from tests.conftest import ROOT, cli_env, processes, tiny_reference_recipe, validate_killed_once_a_cell_is_kept
+from tests.conftest import ROOT, cli_env, copy_run, processes, validate_killed_once_a_cell_is_kept
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,9 @@ BEFORE_VALIDATE = shutil.ignore_patterns("validate", "gate", "publish", "cells",
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory, tiny):
-    """The tiny reference study measured by the local executor; its recipe and its run folder."""
-    folder = tmp_path_factory.mktemp("ray-cells")
-    tiny_reference_recipe(folder, tiny)
-    run_pipeline(load_recipe(folder / "recipe.toml"), folder / "local", until="validate")
+def local(tmp_path_factory, tiny_reference_run):
+    """The tiny reference study measured by the local executor; its recipe and its run folder (local/)."""
+    folder = copy_run(tiny_reference_run, tmp_path_factory.mktemp("ray-cells"), out="local")
     (folder / "ray.toml").write_text((folder / "recipe.toml").read_text() + ON_RAY)
     return folder
 

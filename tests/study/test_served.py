@@ -1,6 +1,6 @@
-"""The serving matrix as the MI355X recipes define it: which servers start, with which flags (fast: no
-server starts; the vLLM tier in test_vllm_validate.py starts real ones). One slow test serves the
-reference pair's DFlash cell and checks vLLM drafts exactly as the reference drafter does."""
+"""The serving matrix as the MI355X recipes define it: which servers start, with which flags (no server starts
+here: tests/serving/test_vllm_validate.py starts real ones, and checks there that vLLM drafts exactly as
+the reference drafter does)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
-from pipeline.checkpoints.tokenizer import chat_ids
 from pipeline.recipe import Recipe, load_recipe
-from pipeline.speculative.acceptance import AcceptanceStats
-from pipeline.speculative.dflash import DFlashDrafter
-from pipeline.speculative.replay import replay_as_vllm_counts
-from pipeline.study.cells import CellStore
-from pipeline.study.served import MatrixServer, serve_matrix, server_matrix, server_spec, serving_cells
-from pipeline.study.targets import load_target
-from pipeline.study.workloads import load_prompts
-from tests.conftest import RECIPES, REFERENCE_DRAFTER, reference_recipe_with
+from pipeline.study.served import MatrixServer, server_matrix, server_spec, serving_cells
+from tests.conftest import RECIPES
 
 
 def test_qwen35_matrix_has_ar_mtp_and_dflash_per_budget_at_both_precisions():
@@ -78,34 +69,6 @@ def test_a_serving_cells_fingerprint_depends_on_what_it_serves_not_on_how_the_su
     more = fingerprints({"workloads": ["gsm8k", "mbpp"], "budgets": [4, 8], "num_prompts": 6},
                         {"workloads": ["gsm8k"], "budgets": [8], "num_prompts": 4})
     assert more.keys() == whole.keys() and all(more[name] != whole[name] for name in whole)
-
-
-@pytest.mark.slow
-def test_served_dflash_accepts_exactly_what_the_reference_drafter_accepts_on_the_served_text(tmp_path, reference_target):
-    """The committed drafter runs in vLLM's `dflash` method and drafts as `pipeline.speculative.dflash` does: per
-    prompt, the served acceptance counts (per position, from /metrics) equal the reference replay's on
-    the text the server produced. Replayed untrimmed, because vLLM counts the final step's accepted
-    drafts before trimming them at max_tokens or the stop token (README, vLLM backend)."""
-    block_size = 8
-    recipe = reference_recipe_with(workloads=["gsm8k"], budgets=[block_size], precisions=["bf16"], methods=["dflash"],
-                                   backends=["vllm"], concurrency=[1], num_prompts=4, max_tokens=64, warmup_requests=1)
-    validation = recipe.validation
-    prompts = load_prompts("gsm8k", validation.num_prompts, validation.seed)
-
-    served = serve_matrix(recipe, {"bf16": reference_target}, REFERENCE_DRAFTER, {"gsm8k": prompts},
-                          CellStore(tmp_path / "cells", tmp_path / "logs"))
-
-    target = load_target(reference_target, "bf16")
-    drafter = DFlashDrafter.from_pretrained(REFERENCE_DRAFTER, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(reference_target)
-    served_tokens = served.tokens[(MatrixServer("bf16", "dflash", block_size).label, "gsm8k")]
-    for prompt, tokens, served_stats in zip(prompts, served_tokens, served.per_prompt[("gsm8k", "bf16", block_size)],
-                                            strict=True):
-        sequence = chat_ids(tokenizer, prompt.text) + list(tokens)
-        prompt_len = len(sequence) - len(tokens)
-        replay = replay_as_vllm_counts(target, drafter, sequence, prompt_len, block_size)
-        assert served_stats == AcceptanceStats.from_lengths(replay.acceptance_lengths, block_size), prompt.id
-        assert served_stats.num_drafts > 0
 
 
 def test_a_served_text_without_its_prompt_ids_is_refused_in_one_line():
