@@ -133,8 +133,22 @@ def plan(
         check_output_file(json_path, "--json file")
     if run_out is not None and not RunLayout(run_out).cells.is_dir():
         raise BadInputError(f"--run {run_out}: no validate cells there; pass the --out folder of a run that validated")
-    study = plan_study(load_recipe(recipe), gpus_per_node=gpus, nodes=nodes)
+    from pipeline.stages.preflight import memory_plan
+
+    loaded = load_recipe(recipe)
+    try:
+        memory, unsized = memory_plan(loaded), None
+    except NotSizedError as exc:
+        memory, unsized = None, exc.message
+    study = plan_study(loaded, gpus_per_node=gpus, nodes=nodes, memory=memory)
     out = Console()
+    if study.quantize is not None:
+        q, rates = study.quantize, loaded.plan
+        out.print(f"quantize: {_hours(q.estimate_s)} (file to file, MXFP4 kernel on {rates.quantize_cpus} CPU cores)")
+        out.print(f"  {q.source_format} {_size(q.source_bytes)} -> MXFP4 {_size(q.export_bytes)}: I/O {_hours(q.io_s)} "
+                  f"at {rates.storage_gb_s:g} GB/s, encoding {_hours(q.encode_s)}")
+    else:
+        out.print(f"quantize: no estimate ({escape(unsized)})")
     measured = f"; measured: the cells kept in {run_out}" if run_out is not None else ", not measurements"
     table = Table(title=escape(f"{study.recipe}: {len(study.cells)} cells (estimates{measured})"),
                   title_justify="left")

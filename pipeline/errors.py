@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["MxspecError", "BadInputError", "RecipeError", "NotSizedError", "GateFailedError", "ExternalError",
-    "HubError", "ModelNotAvailableError", "ServerError", "CellFailedError"]
+    "HubError", "ModelNotAvailableError", "ServerError", "CellFailedError", "EncoderMismatchError"]
 
 
 class MxspecError(Exception):
@@ -96,3 +96,13 @@ class CellFailedError(MxspecError):
         self.cell = cell
         self.log = log
         self.exit_code = exit_code
+
+
+class EncoderMismatchError(ExternalError):
+    """mxspec's MXFP4 kernel wrote other bytes than Quark's routine on some input, so it may not encode
+    this run. `dtype` is the input dtype of the proof, `mismatches` how many inputs differed."""
+
+    def __init__(self, message: str, *, dtype: str, mismatches: int):
+        super().__init__(message)
+        self.dtype = dtype
+        self.mismatches = mismatches

@@ -36,6 +36,10 @@ _REPO_ID = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
 # Upper bounds a real study stays far below; past them a typo costs hours or memory, not a result.
 MAX_PROMPTS = 10_000  # the largest offline prompt set (GSM8K) has 1,319
 MAX_TOKENS = 262_144  # Qwen3.5's max_position_embeddings
+# The quantize stage's rates as scripts/bench_quantize.py measured them on the project's 2-core machine
+# (docs/benchmarks.md): a plain copy's bytes read + written per second, and the kernel's ns per weight.
+STORAGE_GB_S = 1.5
+ENCODE_NS_PER_WEIGHT = {"bf16": 1.5, "fp8": 2.0}
 SERVED_SUBSET = ("workloads", "budgets", "num_prompts")  # [serving] keys that narrow [validation] for vLLM
 
 
@@ -61,6 +65,12 @@ NO_MTP_HEAD_IN_MEMORY = "in memory there is no MTP head to quantize (transformer
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @classmethod
+    def unfingerprinted(cls) -> set[str]:
+        """Fields that choose how a result is made, never what it is (so no stage reruns for them)."""
+        return {name for name, field in cls.model_fields.items()
+                if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("fingerprinted") is False}
 
 
 class ModelRef(_Section):
@@ -102,6 +112,10 @@ class Quantization(_Section):
     quantize_mtp: bool = Field(False, description="quantize the MTP head (known to collapse MTP acceptance)")
     mode: Literal["auto", "in_memory", "file_to_file"] = "auto"
     template: str | None = Field(None, description="Quark LLMTemplate name; default: from model_type")
+    encoder: Literal["auto", "quark", "kernel"] = Field(
+        "auto", description="file_to_file mode's MXFP4 encoder: Quark's routine, or mxspec's kernel where it is "
+        "proven bit-identical to it; auto: the proven kernel, else Quark (on an accelerator when torch sees one)",
+        json_schema_extra={"fingerprinted": False})
 
     @model_validator(mode="after")
     def _mtp_quantized_file_to_file(self) -> Quantization:
@@ -211,11 +225,12 @@ class Serving(_Section):
 
 
 class Plan(_Section):
-    """Rates for `mxspec plan`'s estimates: assumptions, not measurements. The serving defaults are
+    """Rates for `mxspec plan`'s estimates: assumptions, not measurements of this study. The serving defaults are
     Qwen3.5-27B on one MI355X at concurrency 1 as AMD's ROCm blog reports it (AR about 80 tok/s, MTP
     about 245, DFlash about 400; MXFP4 about 15% faster); the reference defaults are what the reference
     pair measured on a 2-core CPU (docs/benchmarks.md); the replay and prefill defaults are guesses for
-a 27B-class target on one accelerator, to be replaced by measured rates."""
+a 27B-class target on one accelerator, to be replaced by measured rates; the quantize defaults are the
+project's 2-core machine's (STORAGE_GB_S, ENCODE_NS_PER_WEIGHT)."""
 
     tok_s: dict[Method, Annotated[float, Field(gt=0)]] = Field(
         {"ar": 80.0, "mtp": 245.0, "dflash": 400.0}, description="one request's output tokens/s per method, bf16 target")
@@ -232,6 +247,12 @@ a 27B-class target on one accelerator, to be replaced by measured rates."""
         20000.0, description="a server's prompt_logprobs prefill, tokens/s: the AR servers score text for fidelity")
     reference_tok_s: dict[Precision, Annotated[float, Field(gt=0)]] = Field(
         {"bf16": 18.0, "mxfp4": 8.7}, description="reference backend, tokens/s per precision (MXFP4 includes the same-text pass)")
+    storage_gb_s: Annotated[float, Field(gt=0)] = Field(
+        STORAGE_GB_S, description="quantize: bytes read plus bytes written per second (1e9) by a plain file copy")
+    encode_ns_per_weight: dict[Literal["bf16", "fp8"], Annotated[float, Field(gt=0)]] = Field(
+        ENCODE_NS_PER_WEIGHT, description="quantize: the MXFP4 kernel's time per weight on one CPU core, by source "
+        "format (FP8: dequantized as it encodes)")
+    quantize_cpus: Annotated[int, Field(ge=1)] = Field(2, description="quantize: CPU cores that encode")
 
 
 class Cluster(_Section):

@@ -6,12 +6,14 @@ Measured side by side in one run, on this machine:
      workers (`mxspec run ... --executor ray`, each in its own process, Ray's start-up included);
      the two reports must be byte-identical;
   2. file-to-file quantization of the 2-shard benchmark checkpoint (scripts/bench_quantize.py builds
-     it) shard by shard here, and as one Ray task per shard on 2 workers; the outputs must be identical;
+     it) with each encoder (the proven kernel, Quark's routine) shard by shard here, and as one Ray task
+     per shard on 2 workers; all four outputs must be identical;
      the peak RSS of each worker that quantized a shard (VmHWM, imports included) against the largest shard;
 and, from the recipe alone, the planner's estimate of the MI355X study (recipes/qwen3.5-27b-mxfp4.toml)
 on 1 GPU, one 8-GPU node and 4 x 8 GPUs. Prints a Markdown table and writes OUT/results.json.
 
-Usage: python scripts/bench_executors.py [--out build/bench-executors] [--prompts N] [--layers 18] [--skip-study]
+Usage: python scripts/bench_executors.py [--out build/bench-executors] [--prompts N] [--layers 18] [--hidden 2048]
+                                         [--skip-study]
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def bench_study(out: Path, prompts: int | None) -> dict:
     return {"cells": cells, "seconds": seconds, "reports_identical": same}
 
 
-def bench_shards(out: Path, layers: int) -> dict:
+def bench_shards(out: Path, layers: int, hidden: int = 2048) -> dict:
     from bench_quantize import build_checkpoint
 
     from pipeline.checkpoints.folder import read_checkpoint
@@ -86,34 +88,41 @@ def bench_shards(out: Path, layers: int) -> dict:
     source = out / "checkpoint"
     if not (source / "config.json").exists():
         print("building the 2-shard benchmark checkpoint ...", flush=True)
-        build_checkpoint(source, layers)
+        build_checkpoint(source, layers, hidden)
     checkpoint = read_checkpoint(source)
     patterns = plan_exclusions(checkpoint, Quantization())
     layers_ = checkpoint.linear_layers()
     quantized = set(layers_) - excluded_layers(layers_, patterns)
     config = quark_config("qwen3_5", "mxfp4", patterns)
     shards = len(list(source.glob("*.safetensors")))
-    seconds = {}
-    for where in ("local", "ray"):
-        target = out / f"quantized-{where}"
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        cluster = Cluster(executor="ray", cpus_per_cell=1) if where == "ray" else None
-        print(f"file-to-file, {where} ...", flush=True)
-        started = time.perf_counter()
-        if cluster is None:
-            quantize_file_to_file(source, target, config, quantized)
-        else:
-            with ray_session(cluster), PeakRss("ray::quantize-") as workers:  # Ray's start-up counted
-                quantize_file_to_file(source, target, config, quantized, cluster)
-        seconds[where] = time.perf_counter() - started
-        print(f"  {seconds[where]:.1f} s", flush=True)
-    names = sorted(p.name for p in (out / "quantized-local").iterdir())
-    _, mismatch, errors = filecmp.cmpfiles(out / "quantized-local", out / "quantized-ray", names, shallow=False)
+    seconds, identical, peaks = {}, {}, []
+    for encoder in ("kernel", "quark"):
+        for where in ("local", "ray"):
+            target = out / f"quantized-{encoder}-{where}"
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            cluster = Cluster(executor="ray", cpus_per_cell=1) if where == "ray" else None
+            print(f"file-to-file, {encoder} encoder, {where} ...", flush=True)
+            started = time.perf_counter()
+            if cluster is None:
+                quantize_file_to_file(source, target, config, quantized, encoder=encoder)
+            else:
+                with ray_session(cluster), PeakRss("ray::quantize-") as workers:  # Ray's start-up counted
+                    quantize_file_to_file(source, target, config, quantized, cluster, encoder=encoder)
+                peaks += workers.peaks.values()
+            seconds[f"{encoder}, {where}"] = time.perf_counter() - started
+            print(f"  {seconds[f'{encoder}, {where}']:.1f} s", flush=True)
+        names = sorted(p.name for p in (out / f"quantized-{encoder}-local").iterdir())
+        _, mismatch, errors = filecmp.cmpfiles(out / f"quantized-{encoder}-local", out / f"quantized-{encoder}-ray",
+                                               names, shallow=False)
+        identical[encoder] = not mismatch and not errors
+    _, mismatch, errors = filecmp.cmpfiles(out / "quantized-kernel-local", out / "quantized-quark-local", names,
+                                           shallow=False)
     size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     largest = max(p.stat().st_size for p in source.glob("*.safetensors"))
     return {"shards": shards, "checkpoint_bytes": size, "largest_shard_bytes": largest, "seconds": seconds,
-            "outputs_identical": not mismatch and not errors, "worker_peak_rss_bytes": sorted(workers.peaks.values())}
+            "outputs_identical": identical, "encoders_identical": not mismatch and not errors,
+            "worker_peak_rss_bytes": sorted(peaks)}
 
 
 class PeakRss:
@@ -158,6 +167,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench-executors")
     parser.add_argument("--prompts", type=int, help="prompts per workload (default: the recipe's)")
     parser.add_argument("--layers", type=int, default=18, help="layers of the benchmark checkpoint (18: about 2 GB)")
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the benchmark checkpoint")
     parser.add_argument("--skip-study", action="store_true", help="only the quantization and the planner")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,16 +175,18 @@ def main() -> None:
 
     results = {"cpus": os.cpu_count(), "versions": tool_versions(),
                "study": None if args.skip_study else bench_study(args.out.resolve(), args.prompts),
-               "shards": bench_shards(args.out.resolve(), args.layers), "planner": planner()}
+               "shards": bench_shards(args.out.resolve(), args.layers, args.hidden), "planner": planner()}
     study, shards, plan = results["study"], results["shards"], results["planner"]
     print(f"\n{os.cpu_count()} CPUs; measured in one run:\n")
     print("| work | local | Ray, 2 workers | same output |\n|---|---|---|---|")
     if study is not None:
         print(f"| reference study, validate ({study['cells']} cells) | {study['seconds']['local']:.0f} s | "
               f"{study['seconds']['ray']:.0f} s | {'yes' if study['reports_identical'] else 'NO'} |")
-    print(f"| file-to-file, {shards['shards']} shards, {shards['checkpoint_bytes'] / 1e9:.2f} GB | "
-          f"{shards['seconds']['local']:.0f} s | {shards['seconds']['ray']:.0f} s | "
-          f"{'yes' if shards['outputs_identical'] else 'NO'} |")
+    for encoder, same in shards["outputs_identical"].items():
+        print(f"| file-to-file, {encoder} encoder, {shards['shards']} shards, {shards['checkpoint_bytes'] / 1e9:.2f} GB | "
+              f"{shards['seconds'][f'{encoder}, local']:.1f} s | {shards['seconds'][f'{encoder}, ray']:.1f} s | "
+              f"{'yes' if same else 'NO'} |")
+    print(f"\nthe kernel's export and Quark's encoder's are {'identical' if shards['encoders_identical'] else 'NOT identical'}")
     peaks = shards["worker_peak_rss_bytes"]
     print(f"\npeak RSS of the Ray workers that quantized a shard: "
           f"{', '.join(f'{b / 1e9:.2f} GB' for b in peaks) or 'not seen'}; largest shard {shards['largest_shard_bytes'] / 1e9:.2f} GB"

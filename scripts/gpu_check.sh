@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A few minutes on one CUDA or ROCm GPU: the tiny Qwen3.5 recipe (dense, and MoE quantized file to file)
+# A few minutes on one CUDA or ROCm GPU: first the tiny models (dense, MoE, FP8 MoE) quantized file to
+# file by Quark's routine on the GPU, byte for byte against the CPU export; then the tiny Qwen3.5 recipe (dense, and MoE quantized file to file)
 # and the reference recipe through validate, served by the GPU build of vLLM (MXFP4 as vLLM runs it on
 # that GPU: native kernels where it has them, Quark's emulation otherwise), next to the reference backend;
 # and the tiny dense recipe served by vLLM alone, as the MI355X recipes run (fidelity by the GPU's kernels,
@@ -73,6 +74,36 @@ import vllm
 if not torch.cuda.is_available():  # ROCm torch answers here too
     sys.exit(f"gpu_check: torch {torch.__version__} sees no GPU; install a CUDA or ROCm torch and vLLM build")
 print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+EOF
+
+# Quark's encoder on the GPU ([quantization] encoder = "quark" takes the accelerator torch sees) against
+# the CPU export (the proven kernel), tensor by tensor.
+"$PYTHON" - "$OUT" <<'EOF'
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pipeline.quant.export import quantize_checkpoint
+from pipeline.recipe import Quantization
+
+out, differing = Path(sys.argv[1]) / "quantize-on-gpu", 0
+for name in ("qwen3.5-tiny", "qwen3.5-moe-tiny", "qwen3.5-moe-tiny-fp8"):
+    exports = {}
+    for encoder in ("quark", "kernel"):
+        folder = out / name / encoder
+        shutil.rmtree(folder, ignore_errors=True)
+        summary = quantize_checkpoint(Path("models/tiny") / name, folder, Quantization(mode="file_to_file", encoder=encoder))
+        tensors = {n: t.view(-1).view(torch.uint8) for f in sorted(folder.glob("*.safetensors")) for n, t in load_file(f).items()}
+        exports[encoder] = (tensors, summary.encoder)
+    (gpu, on_gpu), (cpu, on_cpu) = exports["quark"], exports["kernel"]
+    bad = sorted(n for n in cpu if n not in gpu or not torch.equal(gpu[n], cpu[n]))
+    differing += len(bad)
+    print(f"{name}: Quark on {on_gpu['device']} vs the {on_cpu['name']} on {on_cpu['device']}: "
+          f"{len(cpu) - len(bad)}/{len(cpu)} tensors identical" + (f"; differing: {bad[:5]}" if bad else ""))
+sys.exit(1 if differing else 0)
 EOF
 
 status=0

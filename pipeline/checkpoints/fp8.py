@@ -71,13 +71,17 @@ def _tile_scales(scale_inv, shape, block: tuple[int, int]):
 
 def dequantize(weight, scale_inv, block: tuple[int, int]):
     """float32 weights of an e4m3 tensor `[..., rows, cols]` and its tile scales
-    `[..., ceil(rows/b0), ceil(cols/b1)]`."""
+    `[..., ceil(rows/b0), ceil(cols/b1)]`: each element times its tile's scale, one float32 multiplication
+    (by broadcasting over whole tiles; a weight with partial tiles repeats the scales instead)."""
     rows, cols = weight.shape[-2:]
     expected = (*weight.shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale_inv.shape) != expected:
         raise BadInputError(f"FP8 scale shape {tuple(scale_inv.shape)} does not tile weight {tuple(weight.shape)} "
                             f"in {block[0]}x{block[1]} blocks (expected {expected}); the checkpoint is damaged")
-    return weight.float() * _tile_scales(scale_inv, weight.shape, block)
+    if rows % block[0] or cols % block[1]:
+        return weight.float() * _tile_scales(scale_inv, weight.shape, block)
+    tiles = weight.float().unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))  # [..., R, b0, C, b1]
+    return (tiles * scale_inv.float()[..., :, None, :, None]).reshape(weight.shape)
 
 
 def quantize(weight, block: tuple[int, int]):

@@ -152,6 +152,12 @@ class CheckpointReader:
         scale = fp8.scale_name(name)
         return fp8.dequantize(raw, self.shards[self.where[scale]].get(scale, index), self.block)
 
+    def fp8_parts(self, name: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 codes, float32 tile scales) of an FP8 weight (or of its `index`-th slice), undequantized:
+        what `get` multiplies together."""
+        scale = fp8.scale_name(name)
+        return self.shards[self.where[name]].get(name, index), self.shards[self.where[scale]].get(scale, index)
+
     def written(self, name: str, index: int | None = None) -> torch.Tensor:
         """The tensor (or its `index`-th slice) as it is written when it stays unquantized: in its listed dtype."""
         return self.get(name, index).to(TORCH_DTYPES[self.listed(name)[1]])

@@ -40,7 +40,7 @@ class StreamingSafetensorsWriter:
         got = (name, _TORCH_NAMES[tensor.dtype], tuple(tensor.shape))
         if got != (expected_name, dtype, tuple(shape)):
             raise RuntimeError(f"streaming writer expected {(expected_name, dtype, tuple(shape))}, got {got}")
-        self.handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self.handle.write(tensor.contiguous().view(torch.uint8).numpy().data)  # no copy: file.write takes a buffer
         self.position += 1
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.checkpoints.folder import (
@@ -29,6 +29,7 @@ from pipeline.checkpoints.folder import (
 from pipeline.checkpoints.fp8 import SCALE_SUFFIX, block_size, is_fp8_source
 from pipeline.checkpoints.reader import load_source
 from pipeline.errors import BadInputError, ExternalError
+from pipeline.quant.encoder import EncoderChoice
 from pipeline.quant.exclusions import check_exclusions, excluded_layers, exclusion_patterns
 from pipeline.quant.memory import available_memory_bytes, quantize_mode_for
 from pipeline.quant.quark import import_quark, prepare_moe, quark_config
@@ -74,6 +75,7 @@ class QuantizeSummary:
     quantized_layers: int
     excluded_layers: int
     carried_over_tensors: int
+    encoder: dict = field(default_factory=dict)
     verification: dict = field(default_factory=dict)
 
 
@@ -108,11 +110,13 @@ def _quantize_in_memory(checkpoint: Checkpoint, out: Path, quant_config) -> None
     )
 
 
-def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patterns: list[str], cluster=None) -> None:
+def _quantize_file_to_file(checkpoint: Checkpoint, out: Path, quant_config, patterns: list[str], cluster, encoder: str,
+                           say) -> EncoderChoice:
     from pipeline.quant.file_to_file import quantize_file_to_file
 
     layers = checkpoint.linear_layers()
-    quantize_file_to_file(checkpoint.folder, out, quant_config, set(layers) - excluded_layers(layers, patterns), cluster)
+    return quantize_file_to_file(checkpoint.folder, out, quant_config, set(layers) - excluded_layers(layers, patterns),
+                                 cluster, encoder, say)
 
 
 def _carry_over(source: Checkpoint, out: Path) -> int:
@@ -152,9 +156,10 @@ def _list_kept_layers(out: Path) -> None:
 
 
 def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration: Calibration | None = None,
-                        cluster: Cluster | None = None) -> QuantizeSummary:
+                        cluster: Cluster | None = None, say=print) -> QuantizeSummary:
     """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary. In
-    file-to-file mode a Ray `cluster` quantizes the shards as Ray tasks (same bytes)."""
+    file-to-file mode a Ray `cluster` quantizes the shards as Ray tasks (same bytes), and `spec.encoder`
+    picks the MXFP4 encoder (`encoder.choose_encoder`); in-memory mode is Quark's ModelQuantizer."""
     checkpoint = read_checkpoint(source)
     if is_fp8_source(checkpoint.config):
         block_size(checkpoint.config)  # block-scaled, or one line now rather than half an export
@@ -166,8 +171,9 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
     try:
         if mode == "in_memory":
             _quantize_in_memory(checkpoint, out, quant_config)
+            encoder = EncoderChoice("quark", "cpu", None, "in_memory mode: Quark's ModelQuantizer freezes the model")
         else:
-            _quantize_file_to_file(checkpoint, out, quant_config, patterns, cluster)
+            encoder = _quantize_file_to_file(checkpoint, out, quant_config, patterns, cluster, spec.encoder, say)
     except (BadInputError, ExternalError):
         raise
     except Exception as exc:
@@ -193,5 +199,6 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
         quantized_layers=verification["bit_exact_tensors"],
         excluded_layers=len(excluded_layers(layers, patterns)),
         carried_over_tensors=carried,
+        encoder=asdict(encoder),
         verification=verification,
     )

@@ -35,7 +35,7 @@ from pipeline.quant.exclusions import excluded_layers
 from pipeline.quant.mxfp4 import GROUP_SIZE
 
 __all__ = ["MI355X_BYTES", "BF16_BYTES", "FLOAT32_BYTES", "IN_MEMORY_FACTOR", "IN_MEMORY_BYTES_PER_ELEMENT",
-    "bf16_bytes", "mxfp4_bytes", "fp8_bytes", "source_format", "quantize_mode_for", "available_memory_bytes",
+    "bf16_bytes", "mxfp4_bytes", "encoded_elements", "fp8_bytes", "source_format", "quantize_mode_for", "available_memory_bytes",
     "VLLM_GPU_MEMORY_UTILIZATION", "MemoryPlan", "kv_bytes", "state_bytes_per_sequence", "plan_memory"]
 
 MI355X_BYTES = 288 * 10**9  # HBM3E per MI355X, AMD's data sheet "288 GB"; if that means GiB, this errs low
@@ -53,20 +53,31 @@ def bf16_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in tensors.values()) * BF16_BYTES
 
 
+def _encoded(tensors: dict[str, tuple[int, ...]], exclude: list[str]):
+    """(name, shape, {module: ((rows, cols), encoded?)}) per tensor: which Linear weights the export encodes
+    to MXFP4 (not matched by `exclude`, inputs divisible by 32); the one rule the sizes below share."""
+    for name, shape in tensors.items():
+        modules = linear_modules(name, shape)
+        kept = excluded_layers(modules, exclude)
+        yield name, shape, {module: ((rows, cols), module not in kept and cols % GROUP_SIZE == 0)
+                            for module, (rows, cols) in modules.items()}
+
+
 def mxfp4_bytes(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
     """The MXFP4 export's tensor bytes: Linear weights not matched by `exclude` packed, the rest bf16."""
     total = 0
-    for name, shape in tensors.items():
-        modules = linear_modules(name, shape)
+    for _, shape, modules in _encoded(tensors, exclude):
         if not modules:
             total += math.prod(shape) * BF16_BYTES
-        kept = excluded_layers(modules, exclude)
-        for module, (rows, cols) in modules.items():
-            if module in kept or cols % GROUP_SIZE:
-                total += rows * cols * BF16_BYTES
-            else:
-                total += rows * cols // 2 + rows * cols // GROUP_SIZE
+        for (rows, cols), encoded in modules.values():
+            total += rows * cols // 2 + rows * cols // GROUP_SIZE if encoded else rows * cols * BF16_BYTES
     return total
+
+
+def encoded_elements(tensors: dict[str, tuple[int, ...]], exclude: list[str]) -> int:
+    """How many weights the MXFP4 encoder sees: what the quantize stage's encoding time scales with."""
+    return sum(rows * cols for _, _, modules in _encoded(tensors, exclude)
+               for (rows, cols), encoded in modules.values() if encoded)
 
 
 def fp8_bytes(tensors: dict[str, tuple[int, ...]], config: dict[str, Any]) -> int:
@@ -119,6 +130,7 @@ class MemoryPlan(BaseModel):
     source_format: Literal["bf16", "fp8"]
     source_bytes: int  # the source checkpoint's tensors, in its format
     mxfp4_bytes: int
+    encoded_elements: int  # weights the MXFP4 encoder sees
     drafter_bytes: int | None  # None: the drafter's config is not known here, so it is not counted
     quantize_mode_here: Literal["in_memory", "file_to_file"]
     quantizes_mtp_head: bool  # quantize_mtp on a target with an MTP head: auto then quantizes file to file
@@ -198,7 +210,8 @@ def plan_memory(config: dict[str, Any], drafter: dict[str, Any] | None, exclude:
     budget = int(gpu_bytes * gpu_memory_utilization) * tensor_parallel_size
     available = available_memory_bytes() if available_bytes is None else available_bytes
     quantizes_mtp_head = quantize_mtp and has_mtp_head(config)
-    return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4, drafter_bytes=drafter_size,
+    return MemoryPlan(source_format=fmt, source_bytes=source, mxfp4_bytes=mxfp4,
+                      encoded_elements=encoded_elements(tensors, exclude), drafter_bytes=drafter_size,
                       quantize_mode_here=quantize_mode_for(bf16 // BF16_BYTES, fmt, available, quantizes_mtp_head),
                       quantizes_mtp_head=quantizes_mtp_head,
                       available_bytes=available,

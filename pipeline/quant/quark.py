@@ -13,7 +13,8 @@ import torch
 
 from pipeline.errors import BadInputError, ExternalError
 
-__all__ = ["import_quark", "prepare_moe", "quark_config", "decode_weights_once"]
+__all__ = ["import_quark", "prepare_moe", "quark_config", "decode_weights_once", "weight_quantizer",
+    "scale_functions", "export_quant_config"]
 
 
 def import_quark():
@@ -41,6 +42,34 @@ def quark_config(template: str, scheme: str, patterns: list[str]):
         raise BadInputError(
             f"Quark has no template {template!r} for scheme {scheme!r} ({exc}); set [quantization] template"
         ) from exc
+
+
+def weight_quantizer():
+    """Quark's per-weight MXFP4 routine, the one its own file-to-file flow calls:
+    `(tensor, tensor_name, layer_name, weight_config, out_dict, shard_name)` fills `out_dict` with the
+    packed weight under `tensor_name` and its e8m0 scales under `tensor_name + "_scale"`."""
+    import_quark()
+    from quark.torch.quantization.file2file_quantization import _single_stage_quantize_weight
+
+    return _single_stage_quantize_weight
+
+
+def scale_functions():
+    """(even_round, to_e8m0_uint8): how Quark's observer turns a block's amax into its scale, and how its
+    writer turns the scale into the stored byte. `proof` checks the kernel's scales against these."""
+    import_quark()
+    from quark.torch.quantization.utils import even_round
+    from quark.torch.utils.numerics import to_e8m0_uint8
+
+    return even_round, to_e8m0_uint8
+
+
+def export_quant_config(config: dict, quant_config, out) -> None:
+    """Write Quark's quantization_config into out/config.json, as its own file-to-file flow does."""
+    import_quark()
+    from quark.torch.quantization.file2file_quantization import _export_quant_config
+
+    _export_quant_config(config, quant_config, str(out))
 
 
 @torch.no_grad()

@@ -313,6 +313,15 @@ class ExportVerification(_Artifact):
     logits: LogitAgreement | None = None
 
 
+class EncoderRecord(_Artifact):
+    """Which MXFP4 encoder wrote the export's weights (`quant.encoder.EncoderChoice`)."""
+
+    name: Literal["quark", "kernel"]
+    device: str
+    proof: str | None = Field(None, description="for the kernel: the inputs it was proven bit-identical to Quark on")
+    reason: str
+
+
 class QuantizeReport(_Artifact):
     """quantize/mxspec-quantize.json."""
 
@@ -327,6 +336,7 @@ class QuantizeReport(_Artifact):
     excluded_layers: Annotated[int, Field(ge=0)]
     carried_over_tensors: Annotated[int, Field(ge=0)]
     verification: ExportVerification
+    encoder: EncoderRecord | None = Field(None, description="absent where the report does not record it")
     versions: dict[str, str]
 
 

@@ -288,8 +288,15 @@ def _fingerprint(stage: Stage, recipe: Recipe, inputs: dict[str, str]) -> str:
 
 
 def recipe_hash(recipe: Recipe, *sections: str) -> str:
-    """sha256 of the named sections of the recipe (all of it without names): what a stage's output depends on."""
-    return canonical_sha256(recipe.model_dump(mode="json", include=set(sections) if sections else None))
+    """sha256 of the named sections of the recipe (all of it without names): what a stage's output depends on.
+    A section's unfingerprinted fields (e.g. [quantization] encoder, proven not to change a byte) are left out."""
+    dumped = recipe.model_dump(mode="json", include=set(sections) if sections else None)
+    for name, value in dumped.items():
+        section = getattr(recipe, name)
+        if isinstance(value, dict) and hasattr(section, "unfingerprinted"):
+            for field in section.unfingerprinted():
+                value.pop(field, None)
+    return canonical_sha256(dumped)
 
 
 def _outputs_intact(stage_dir: Path, manifest: StageManifest, ctx: StageContext) -> bool:

@@ -34,14 +34,16 @@ class QuantizeStage:
         target = read_resolved(ctx.stage_dir("resolve"))["target"]
         ctx.console.print(f"  quantizing {target.ref} to {ctx.recipe.quantization.scheme} with AMD Quark")
         summary = quantize_checkpoint(
-            Path(target.path), workdir / CHECKPOINT, ctx.recipe.quantization, ctx.recipe.calibration, ctx.recipe.cluster
+            Path(target.path), workdir / CHECKPOINT, ctx.recipe.quantization, ctx.recipe.calibration, ctx.recipe.cluster,
+            say=ctx.console.print,
         )
         report = QuantizeReport(target=target.ref, target_digest=target.digest, versions=tool_versions(),
                                 **asdict(summary))
         write_artifact(report, workdir / QUANTIZE_REPORT)
         logits = report.verification.logits
         ctx.console.print(
-            f"  {summary.quantized_layers} layers MXFP4 ({summary.mode}), {summary.excluded_layers} kept bf16; "
+            f"  {summary.quantized_layers} layers MXFP4 ({summary.mode}, {report.encoder.name} encoder on "
+            f"{report.encoder.device}), {summary.excluded_layers} kept bf16; "
             f"bit-exact vs the OCP MX encoder"
             + (f"; top-1 agreement {logits.top1_agreement:.3f}, KL {logits.kl_bf16_to_mxfp4:.4f}" if logits else "")
         )

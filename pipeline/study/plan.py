@@ -17,6 +17,9 @@ The cost model is arithmetic over the recipe's `[plan]` rates, which are estimat
   replay     num_prompts x output_tokens_per_prompt / replay_tok_s[precision]
   scoring   the bf16 AR server and the score-mxfp4 cell (an MXFP4 AR server, after it) each prefill bf16's
              text once: workloads x num_prompts x output_tokens / prefill_tok_s (+ server_start_s for score-mxfp4)
+The quantize stage, before the study (file-to-file with the MXFP4 kernel, `pipeline.quant.file_to_file`):
+  (source bytes + export bytes) / storage_gb_s + encoded weights x encode_ns_per_weight[format] / quantize_cpus,
+  no overlap counted (the stage overlaps them, so this bounds it from above).
 A schedule places cells longest first, each on the GPUs of one node that free up earliest (after the
 cells it depends on), which is what a Ray cluster with one task per cell and GPU reservations does.
 """
@@ -25,11 +28,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.recipe import Recipe
+from pipeline.quant.memory import MemoryPlan
+from pipeline.recipe import Plan, Recipe
 from pipeline.study.cells import SCORE_CELL, ar_cell_name, reference_cell_specs, serving_cell_name
 from pipeline.study.served import measures_served_fidelity, server_matrix
 
-__all__ = ["PlannedCell", "Placement", "Schedule", "StudyPlan", "study_cells", "schedule", "plan_study"]
+__all__ = ["PlannedCell", "Placement", "Schedule", "QuantizeEstimate", "StudyPlan", "study_cells", "schedule",
+    "quantize_estimate", "plan_study"]
 
 
 class PlannedCell(BaseModel):
@@ -62,10 +67,23 @@ class Schedule(BaseModel):
     placements: list[Placement]
 
 
+class QuantizeEstimate(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    source_format: str  # bf16 | fp8
+    source_bytes: int
+    export_bytes: int
+    encoded_weights: int
+    io_s: float
+    encode_s: float
+    estimate_s: float
+
+
 class StudyPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     recipe: str
+    quantize: QuantizeEstimate | None = None  # None: the target's sizes are not known here
     cells: list[PlannedCell]  # longest first
     schedules: list[Schedule]  # one GPU, one node, the cluster
 
@@ -135,8 +153,18 @@ def schedule(cells: list[PlannedCell], nodes: int, gpus_per_node: int) -> Schedu
                     placements=sorted(placements, key=lambda p: (p.node, p.gpus, p.start_s)))
 
 
-def plan_study(recipe: Recipe, gpus_per_node: int = 8, nodes: int = 1) -> StudyPlan:
-    """The cells and their schedule on one GPU, on one node of `gpus_per_node`, and on `nodes` such nodes."""
+def quantize_estimate(memory: MemoryPlan, rates: Plan) -> QuantizeEstimate:
+    """The quantize stage's time from the target's sizes (`quant.memory`) and the [plan] rates."""
+    io_s = (memory.source_bytes + memory.mxfp4_bytes) / (rates.storage_gb_s * 1e9)
+    encode_s = memory.encoded_elements * rates.encode_ns_per_weight[memory.source_format] * 1e-9 / rates.quantize_cpus
+    return QuantizeEstimate(source_format=memory.source_format, source_bytes=memory.source_bytes,
+                            export_bytes=memory.mxfp4_bytes, encoded_weights=memory.encoded_elements,
+                            io_s=io_s, encode_s=encode_s, estimate_s=io_s + encode_s)
+
+
+def plan_study(recipe: Recipe, gpus_per_node: int = 8, nodes: int = 1, memory: MemoryPlan | None = None) -> StudyPlan:
+    """The cells and their schedule on one GPU, on one node of `gpus_per_node`, and on `nodes` such nodes;
+    with the target's `memory` plan, the quantize stage's estimate too."""
     from pipeline.errors import BadInputError
 
     cells = study_cells(recipe)
@@ -146,4 +174,5 @@ def plan_study(recipe: Recipe, gpus_per_node: int = 8, nodes: int = 1) -> StudyP
                             f"{gpus_per_node}; pass --gpus {widest} or more")
     layouts = [(1, widest), (1, gpus_per_node), (nodes, gpus_per_node)]
     return StudyPlan(recipe=recipe.name, cells=cells,
+                     quantize=quantize_estimate(memory, recipe.plan) if memory is not None else None,
                      schedules=[schedule(cells, n, g) for n, g in dict.fromkeys(layouts)])

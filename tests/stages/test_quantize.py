@@ -131,6 +131,7 @@ def test_tiny_qwen35_both_modes_are_bit_exact_and_agree(tmp_path, tiny, name, sc
     for mode in ("in_memory", "file_to_file"):
         summary = quantize_checkpoint(tiny / name, tmp_path / mode, Quantization(scheme=scheme, mode=mode))
         assert summary.mode == mode and summary.verification["bit_exact_tensors"] == summary.quantized_layers > 0
+        assert summary.encoder["name"] == ("kernel" if mode == "file_to_file" else "quark")  # a CPU with a compiler
         config = json.loads((tmp_path / mode / "config.json").read_text())["quantization_config"]
         assert config["quant_method"] == "quark"
         assert config["global_quant_config"]["weight"]["dtype"] == "fp4"
@@ -187,8 +188,10 @@ def test_an_fp8_source_gives_the_same_bytes_in_both_modes_and_is_verified(tmp_pa
         return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
     exports = {}
-    for mode in ("in_memory", "file_to_file"):
-        summary = quantize_checkpoint(tiny_fp8, tmp_path / mode, Quantization(scheme=scheme, mode=mode))
+    for mode, encoder in (("in_memory", "quark"), ("file_to_file", "kernel"), ("file_to_file_quark", "quark")):
+        spec = Quantization(scheme=scheme, mode=mode.removesuffix("_quark"), encoder=encoder)
+        summary = quantize_checkpoint(tiny_fp8, tmp_path / mode, spec)
+        assert summary.encoder["name"] == encoder
         verification = summary.verification
         assert verification["source_format"] == "fp8" and verification["bit_exact_tensors"] == 4 * 8 * 3
         # attention, GDN and shared-expert projections of 4 layers, and the MTP layer's FP8 weights
@@ -201,7 +204,8 @@ def test_an_fp8_source_gives_the_same_bytes_in_both_modes_and_is_verified(tmp_pa
         assert config["quantization_config"]["quant_method"] == "quark" and config["dtype"] == "bfloat16"
         exports[mode] = {name: as_bytes(tensor) for file in sorted((tmp_path / mode).glob("*.safetensors"))
                          for name, tensor in load_file(file).items()}
-    assert exports["in_memory"] == exports["file_to_file"]  # names included: a text-only class names its decoder model.*
+    # names included: a text-only class names its decoder model.*; the kernel reads e4m3 codes, Quark float32
+    assert exports["in_memory"] == exports["file_to_file"] == exports["file_to_file_quark"]
     # The export reloads in Quark's importer and computes about what the dequantized source computes.
     source = read_checkpoint(tiny_fp8)
     reloaded = import_quark().import_model_from_safetensors(None, str(tmp_path / "file_to_file"), device="cpu")

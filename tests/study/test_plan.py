@@ -111,12 +111,34 @@ def test_the_recipe_names_a_rate_for_every_method_it_serves():
                                "plan": {"tok_s": {"ar": 50.0, "dflash": 200.0}}})
 
 
+@pytest.mark.parametrize("name, source", [("qwen3.5-27b", "bf16"), ("qwen3.5-35b-a3b", "bf16"), ("qwen3.5-9b", "bf16"),
+                                          ("qwen3.5-122b-a10b", "bf16"), ("qwen3.5-397b-a17b", "fp8")])
+def test_the_quantize_stage_is_estimated_from_the_targets_sizes_and_the_plan_rates(name, source):
+    from pipeline.quant.memory import BF16_BYTES
+    from pipeline.stages.preflight import memory_plan
+
+    recipe = load_recipe(RECIPES / f"{name}-mxfp4.toml")
+    memory = memory_plan(recipe)
+    q = plan_study(recipe, memory=memory).quantize
+    rates = recipe.plan
+    assert q.source_format == source and q.source_bytes == memory.source_bytes and q.export_bytes == memory.mxfp4_bytes
+    assert q.io_s == pytest.approx((q.source_bytes + q.export_bytes) / (rates.storage_gb_s * 1e9))
+    assert q.encode_s == pytest.approx(q.encoded_weights * rates.encode_ns_per_weight[source] * 1e-9 / rates.quantize_cpus)
+    assert q.estimate_s == pytest.approx(q.io_s + q.encode_s)
+    # the encoder sees the quantized weights only: fewer than the model holds, more than half for a dense one
+    assert 0 < q.encoded_weights < memory.source_bytes / (1 if source == "fp8" else BF16_BYTES)
+    faster = recipe.model_copy(update={"plan": rates.model_copy(update={"quantize_cpus": 2 * rates.quantize_cpus})})
+    assert plan_study(faster, memory=memory).quantize.encode_s == pytest.approx(q.encode_s / 2)
+
+
 def test_cli_prints_cells_wall_times_and_writes_the_plan_as_json(mxspec, tmp_path):
     done = mxspec("plan", RECIPES / "qwen3.5-27b-mxfp4.toml", "--gpus", "8", "--nodes", "4", "--json", tmp_path / "plan.json")
     assert done.returncode == 0, done.stderr
     assert "serve-mxfp4-dflash-b16" in done.stdout and "wall time on 4 nodes x 8 GPUs" in done.stdout
     assert "replay-mxfp4-gsm8k" in done.stdout, "the same-text replay along vLLM's text is estimated too"
+    assert "quantize: " in done.stdout and "bf16 55.6 GB -> MXFP4 19.8 GB" in done.stdout
     plan = StudyPlan.model_validate(json.loads((tmp_path / "plan.json").read_text()))
+    assert 55.5e9 < plan.quantize.source_bytes < 55.7e9 and plan.quantize.estimate_s > 0
     assert [(s.nodes, s.gpus_per_node) for s in plan.schedules] == [(1, 1), (1, 8), (4, 8)]
 
 
