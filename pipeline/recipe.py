@@ -38,8 +38,8 @@ MAX_PROMPTS = 10_000  # the largest offline prompt set (GSM8K) has 1,319
 MAX_TOKENS = 262_144  # Qwen3.5's max_position_embeddings
 # The quantize stage's rates as scripts/bench_quantize.py measured them on the project's 2-core machine
 # (docs/benchmarks.md): a plain copy's bytes read + written per second, and the kernel's ns per weight.
-STORAGE_GB_S = 1.5
-ENCODE_NS_PER_WEIGHT = {"bf16": 1.5, "fp8": 2.0}
+STORAGE_GB_S = 0.6
+ENCODE_NS_PER_WEIGHT = {"bf16": 1.0, "fp8": 1.0}
 SERVED_SUBSET = ("workloads", "budgets", "num_prompts")  # [serving] keys that narrow [validation] for vLLM
 
 
@@ -229,8 +229,8 @@ class Plan(_Section):
     Qwen3.5-27B on one MI355X at concurrency 1 as AMD's ROCm blog reports it (AR about 80 tok/s, MTP
     about 245, DFlash about 400; MXFP4 about 15% faster); the reference defaults are what the reference
     pair measured on a 2-core CPU (docs/benchmarks.md); the replay and prefill defaults are guesses for
-a 27B-class target on one accelerator, to be replaced by measured rates; the quantize defaults are the
-project's 2-core machine's (STORAGE_GB_S, ENCODE_NS_PER_WEIGHT)."""
+a 27B-class target on one accelerator, to be replaced by measured rates; the quantize defaults are what
+scripts/bench_quantize.py measured on the project's 2-core machine (docs/benchmarks.md, Quantization)."""
 
     tok_s: dict[Method, Annotated[float, Field(gt=0)]] = Field(
         {"ar": 80.0, "mtp": 245.0, "dflash": 400.0}, description="one request's output tokens/s per method, bf16 target")
