@@ -178,8 +178,10 @@ def test_the_mxfp4_export_keeps_the_mtp_head_bf16_and_the_report_has_every_serve
 def test_the_report_has_served_mtp_drift_and_fidelity_by_the_served_kernels_and_the_reference_path(served):
     """MTP drift rows (bf16 head vs the MXFP4 checkpoint's, served, and replayed along bf16's text) where MTP
     is served at both precisions;
-    fidelity measured both ways, agreeing: top-1 agreement within each other's interval, KL intervals
-    overlapping. The reference path reads its own float32 greedy text, vLLM bf16's served text."""
+    fidelity measured both ways, agreeing: top-1 agreement within each other's interval; vLLM's KL no larger
+    than the reference path's interval allows. The reference path reads its own float32 greedy text, vLLM
+    bf16's served text. vLLM's KL sums over a coarser partition (bf16's top 20 against the reference path's
+    top 64) and so is a lower bound that can sit below the reference interval by any amount, never above it."""
     report, out, precisions, methods, _ = served
     expected = {("gsm8k", BUDGET)} if "mtp" in methods else set()
     assert {(d["workload"], d["budget"]) for d in report["mtp_drift"]} == expected
@@ -194,7 +196,7 @@ def test_the_report_has_served_mtp_drift_and_fidelity_by_the_served_kernels_and_
     for one, other in ((rows["vllm"], rows["reference"]), (rows["reference"], rows["vllm"])):
         low, high = other["top1_agreement_ci95"]
         assert low <= one["top1_agreement"] <= high, (one, other)
-    assert rows["vllm"]["kl_ci95"][0] <= rows["reference"]["kl_ci95"][1]
-    assert rows["reference"]["kl_ci95"][0] <= rows["vllm"]["kl_ci95"][1]
+    assert rows["vllm"]["kl_top_k"] < rows["reference"]["kl_top_k"]
+    assert rows["vllm"]["kl_ci95"][0] <= rows["reference"]["kl_ci95"][1], (rows["vllm"], rows["reference"])
     for by, f in rows.items():
         print(f"{by}: top-1 {f['top1_agreement']:.3f} {f['top1_agreement_ci95']}, KL {f['kl']:.4f} {f['kl_ci95']}")
