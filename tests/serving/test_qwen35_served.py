@@ -181,7 +181,7 @@ def test_the_report_has_served_mtp_drift_and_fidelity_by_the_served_kernels_and_
     fidelity measured both ways, agreeing: top-1 agreement within each other's interval; vLLM's KL no larger
     than the reference path's interval allows. The reference path reads its own float32 greedy text, vLLM
     bf16's served text. vLLM's KL sums over a coarser partition (bf16's top 20 against the reference path's
-    top 64) and so is a lower bound that can sit below the reference interval by any amount, never above it."""
+    top 64) and so is a lower bound: it can sit far below the reference interval, so only the upper side is checked."""
     report, out, precisions, methods, _ = served
     expected = {("gsm8k", BUDGET)} if "mtp" in methods else set()
     assert {(d["workload"], d["budget"]) for d in report["mtp_drift"]} == expected
