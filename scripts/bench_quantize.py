@@ -19,7 +19,7 @@ target there is at most 2x plain I/O. The kernel's proof is made (or found in th
 timed run and is not counted. Results go to OUT/results.json (OUT/results-fp8.json).
 
 Usage: python scripts/bench_quantize.py [--out build/bench-quantize] [--layers 18] [--hidden 2048] [--fp8]
-                                        [--profile]
+                                        [--profile] [--jobs 1]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("QUARK_DISABLE_COMPILE", "1")
@@ -327,6 +328,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="measure file-to-file on an FP8 block-scaled source")
     parser.add_argument("--profile", action="store_true", help="also profile one shard phase by phase")
     parser.add_argument("--skip-example", action="store_true", help="leave out Quark's whole-model example flow")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="flows run this many at a time: a quick check that each one runs (times are then not figures)")
     parser.add_argument("--worker")
     parser.add_argument("--source", type=Path)
     parser.add_argument("--worker-out", type=Path)
@@ -356,16 +359,18 @@ def main() -> None:
     total, largest = sum(s.stat().st_size for s in shards), max(s.stat().st_size for s in shards)
     print(f"checkpoint: {len(shards)} shards, {total / 1e9:.2f} GB, largest shard {largest / 1e9:.2f} GB", flush=True)
     print(f"encoder: {prove(source)}", flush=True)
-    results = {}
-    for name in workers:
-        results[name] = run_worker(name, source, args.out / f"out-{name}")
-        r = results[name]
+    if args.jobs > 1:
+        print(f"{args.jobs} flows at a time: the times below are not benchmark figures", flush=True)
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = dict(zip(workers, pool.map(lambda name: run_worker(name, source, args.out / f"out-{name}"), workers)))
+    for name, r in results.items():
         print(f"  {name:34s} {r['seconds']:8.2f} s   peak RSS {r['peak_rss_bytes'] / 1e9:5.2f} GB", flush=True)
 
     ours, floor = results["mxspec_file_to_file"], results["plain_io"]["seconds"]
     quark_flow = results.get("quark_file_to_file")
     summary = {
         "source": "fp8" if args.fp8 else "bf16",
+        "jobs": args.jobs,
         "checkpoint_bytes": total,
         "largest_shard_bytes": largest,
         "encoder": ours.get("encoder"),

