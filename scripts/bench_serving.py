@@ -82,7 +82,8 @@ def main() -> None:
     recipe = recipe.model_copy(update={"validation": validation})
     run_pipeline(recipe, args.out, until="pair")
     resolved = read_resolved(args.out / "resolve")
-    paths = {"bf16": Path(resolved["target"].path), "mxfp4": args.out / "quantize" / CHECKPOINT}
+    target_path = Path(resolved["target"].path)
+    paths = {"bf16": target_path, "mxfp4": args.out / "quantize" / CHECKPOINT}
     paths = {precision: paths[precision] for precision in args.precisions}
     drafter_path = Path(resolved["drafter"].path)
     prompts = load_prompts(WORKLOAD, args.prompts, validation.seed)
@@ -91,7 +92,7 @@ def main() -> None:
         serving = serve_matrix(recipe, paths, drafter_path, {WORKLOAD: prompts}, CellStore(Path(cells), args.out / "logs"))
     rows = {(r.precision, r.method): r for r in serving.rows}
 
-    tokenizer = AutoTokenizer.from_pretrained(paths["bf16"])
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
     drafter = DFlashDrafter.from_pretrained(drafter_path, dtype=torch.float32)
     per_prompt = []
     for precision in args.precisions:
