@@ -18,7 +18,8 @@ script makes them models with something to predict, in three small steps, all on
    MoE MTP anyway).
 
 Each trained folder replaces the random one atomically, with a `training.json` and a SOURCE.md that says
-how it was made. About five minutes on two cores; three builds on this machine gave the same bytes.
+how it was made. About seven minutes on two cores (dense pair 242 s, MoE pair 157 s); builds on this machine
+gave the same bytes.
 
 Usage: python scripts/train_tiny_qwen35.py MODELS_DIR   (the folder build_tiny_qwen35.py wrote)
 """
@@ -62,6 +63,7 @@ RESPONSE_BYTES = 256  # bytes of each training reply
 DRAFT_PROMPTS, DRAFT_TOKENS = 96, 64  # greedy responses the drafters learn from
 MTP_STEPS, MTP_WEIGHTS, MTP_TRAIN_STEPS, MTP_LR = 3, (1.0, 0.6, 0.4), 150, 3e-3
 DFLASH_STEPS, DFLASH_LR = 200, 3e-3
+DFLASH_MATMUL_DTYPE = torch.float32  # CI's CPUs may lack bf16 instructions (pipeline/speculative/training.py)
 VALIDATION_PROMPTS = 8  # of the drafters' prompts, kept out of their training to report accuracy on
 
 
@@ -231,11 +233,12 @@ def train_dflash(drafter: DFlashDrafter, hooks: TargetHooks, records: list[dict]
     before = dflash_training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
     history, checkpoints = dflash_training.train(
         drafter, vocabulary, records, DFLASH_STEPS, DFLASH_LR, seqs_per_step=4, rows_per_seq=64, seed=SEED,
-        hooks=hooks, validation=validation, validate_every=100, soft_weight=0.5)
+        hooks=hooks, validation=validation, validate_every=100, soft_weight=0.5, matmul_dtype=DFLASH_MATMUL_DTYPE)
     after = dflash_training.mean_acceptance_length(drafter, hooks, validation, block_size=8)
     print(f"  DFlash acceptance length (replay, block 8) on validation responses: {before:.3f} -> {after:.3f}",
           flush=True)
-    return {"steps": DFLASH_STEPS, "lr": DFLASH_LR, "checkpoints": checkpoints,
+    return {"steps": DFLASH_STEPS, "lr": DFLASH_LR, "matmul_dtype": str(DFLASH_MATMUL_DTYPE).removeprefix("torch."),
+            "checkpoints": checkpoints,
             "validation_acceptance_length_b8_before": round(before, 4),
             "validation_acceptance_length_b8": round(after, 4)}
 
@@ -278,9 +281,9 @@ def save_drafter(drafter: DFlashDrafter, out: Path, report: dict) -> None:
         (tmp / "SOURCE.md").write_text(
             f"Tiny DFlash drafter for `{report['target']}`, made by scripts/train_tiny_qwen35.py: "
             "the random drafter of "
-            f"scripts/build_tiny_qwen35.py trained {report['dflash']['steps']} steps on the trained target's greedy "
-            f"responses to {report['draft_prompts']} held-out-tail prompts ({DRAFT_TOKENS} tokens each), with "
-            "pipeline/speculative/training.py's objective. Acceptance length by replay at block 8 on "
+            f"scripts/build_tiny_qwen35.py trained {report['dflash']['steps']} steps (float32 matmuls) on the trained "
+            f"target's greedy responses to {report['draft_prompts']} held-out-tail prompts ({DRAFT_TOKENS} tokens each), "
+            "with pipeline/speculative/training.py's objective. Acceptance length by replay at block 8 on "
             f"{VALIDATION_PROMPTS} responses it did not train on: "
             f"{report['dflash']['validation_acceptance_length_b8_before']} before, "
             f"{report['dflash']['validation_acceptance_length_b8']} after. A test model, not a useful drafter.\n")

@@ -132,3 +132,29 @@ def test_the_training_command_line_refuses_add_layers_without_a_drafter_to_grow(
                "--add-layers", "1"]
     refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "pass --init-from-drafter DIR too" in refused.stderr
+
+
+def test_float32_matmuls_give_the_loss_of_the_exact_arithmetic_and_bf16_autocast_rounds_it():
+    """`matmul_dtype=float32` (the tiny drafters' setting) computes the loss as float64 does to float32
+    precision; the default bf16 autocast rounds every matmul, which moves the loss far more."""
+    drafter, hooks = _drafter_and_hooks()
+    record = _record(30, 30, runner_up=31)
+    vocabulary = training.TrainingVocabulary([record], hooks)
+
+    def loss(model, words, dtype) -> float:
+        value, _ = training.training_loss(model, words, record, block_size=8, num_anchors=4,
+                                          generator=torch.Generator().manual_seed(0), soft_weight=0.5,
+                                          matmul_dtype=dtype)
+        return value.item()
+
+    exact = loss(drafter.double(), _in_float64(vocabulary), torch.float32)
+    drafter.float()
+    assert abs(loss(drafter, vocabulary, torch.float32) - exact) < 1e-5
+    assert abs(loss(drafter, vocabulary, torch.bfloat16) - exact) > 1e-4
+
+
+def _in_float64(vocabulary: training.TrainingVocabulary) -> training.TrainingVocabulary:
+    words = training.TrainingVocabulary.__new__(training.TrainingVocabulary)
+    words.ids, words.index = vocabulary.ids, vocabulary.index
+    words.hooks = TargetHooks(vocabulary.hooks.embed.double(), vocabulary.hooks.lm_head.double())
+    return words
