@@ -9,7 +9,6 @@ import resource
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.quant.export import quantize_checkpoint
 from pipeline.run.artifacts import QuantizeReport, write_artifact
 from pipeline.run.layout import CHECKPOINT, QUANTIZE_REPORT
 from pipeline.run.runner import StageContext
@@ -28,6 +27,7 @@ class QuantizeStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
+        from pipeline.quant.export import quantize_checkpoint  # torch and Quark: only once the stage runs
         from pipeline.run.versions import tool_versions
         from pipeline.stages.resolve import read_resolved
 

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.report.figures import write_figures
-from pipeline.report.markdown import report_markdown
 from pipeline.run.artifacts import write_artifact
 from pipeline.run.layout import CELLS, REPORT_FILE, REPORT_MARKDOWN, resolved_file
 from pipeline.run.runner import StageContext
-from pipeline.study.cells import CellStore, fingerprint
-from pipeline.study.measure import CellRun, executor_for, measure_study
 
 __all__ = ["ValidateStage"]
 
@@ -32,8 +28,13 @@ class ValidateStage:
         return {}
 
     def run(self, ctx: StageContext, workdir: Path) -> dict[str, float]:
+        # torch, transformers and matplotlib: only once the stage runs, so a run refused earlier starts fast
+        from pipeline.report.figures import write_figures
+        from pipeline.report.markdown import report_markdown
         from pipeline.run.runner import read_manifest
         from pipeline.stages.resolve import read_resolved
+        from pipeline.study.cells import CellStore, fingerprint
+        from pipeline.study.measure import CellRun, executor_for, measure_study
 
         resolved = read_resolved(ctx.stage_dir("resolve"))
         inputs = read_manifest(ctx.stage_dir("resolve")).outputs
