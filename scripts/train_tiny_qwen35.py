@@ -281,8 +281,9 @@ def save_drafter(drafter: DFlashDrafter, out: Path, report: dict) -> None:
         (tmp / "SOURCE.md").write_text(
             f"Tiny DFlash drafter for `{report['target']}`, made by scripts/train_tiny_qwen35.py: "
             "the random drafter of "
-            f"scripts/build_tiny_qwen35.py trained {report['dflash']['steps']} steps (float32 matmuls) on the trained "
-            f"target's greedy responses to {report['draft_prompts']} held-out-tail prompts ({DRAFT_TOKENS} tokens each), "
+            f"scripts/build_tiny_qwen35.py trained {report['dflash']['steps']} steps "
+            f"({report['dflash']['matmul_dtype']} matmuls) on the trained target's greedy responses to "
+            f"{report['draft_prompts']} held-out-tail prompts ({DRAFT_TOKENS} tokens each), "
             "with pipeline/speculative/training.py's objective. Acceptance length by replay at block 8 on "
             f"{VALIDATION_PROMPTS} responses it did not train on: "
             f"{report['dflash']['validation_acceptance_length_b8_before']} before, "

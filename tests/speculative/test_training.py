@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from pipeline.speculative import training
@@ -147,14 +149,9 @@ def test_float32_matmuls_give_the_loss_of_the_exact_arithmetic_and_bf16_autocast
                                           matmul_dtype=dtype)
         return value.item()
 
-    exact = loss(drafter.double(), _in_float64(vocabulary), torch.float32)
+    in_float64 = training.TrainingVocabulary([record], TargetHooks(copy.deepcopy(hooks.embed).double(),
+                                                                   copy.deepcopy(hooks.lm_head).double()))
+    exact = loss(drafter.double(), in_float64, torch.float32)
     drafter.float()
     assert abs(loss(drafter, vocabulary, torch.float32) - exact) < 1e-5
     assert abs(loss(drafter, vocabulary, torch.bfloat16) - exact) > 1e-4
-
-
-def _in_float64(vocabulary: training.TrainingVocabulary) -> training.TrainingVocabulary:
-    words = training.TrainingVocabulary.__new__(training.TrainingVocabulary)
-    words.ids, words.index = vocabulary.ids, vocabulary.index
-    words.hooks = TargetHooks(vocabulary.hooks.embed.double(), vocabulary.hooks.lm_head.double())
-    return words
