@@ -48,11 +48,16 @@ $(TINY)/qwen3.5-moe-tiny-fp8/config.json: $(TINY)/qwen3.5-moe-tiny/training.json
 demo: install
 	bash scripts/run_demo.sh
 
+# Two pytest workers: the CPU recipes' vLLM servers run one thread, so a serial suite leaves a core idle
+# while it waits on them. How the tests are shared out is tests/conftest.py's. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: install
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf runs build .pytest_cache

@@ -17,6 +17,51 @@ REFERENCE_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
 TINY = ROOT / "models" / "tiny"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers), each worker and what it starts compute on one
+    OpenMP thread: two workers of two threads each on two cores lose more to waiting threads than they gain."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """How pytest-xdist's workers share the suite (with `--dist loadgroup`, see `pytest_xdist_make_scheduler`).
+    A module's tests run on one worker, in order, so its module fixtures (a vLLM server, a finished
+    study) are made once. The tests marked `ray` run on one worker, one after another: each starts or
+    joins a Ray cluster on this machine, and `ray.init()` joins the last cluster started here (a module
+    whose fixtures a Ray test shares is marked whole). They go first, then the slow modules: the longest
+    work starts at once, and the short tests fill in at the end."""
+    slow = {_module(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))  # xdist appends "@ray" to its node id
+    items.sort(key=lambda item: 0 if item.get_closest_marker("ray") else 1 if _module(item.nodeid) in slow else 2)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadgroup`: xdist's scheduling by scope, where a scope is a test's module, or the `ray`
+    group (xdist's own loadgroup would send each test of no group on its own)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RAY_GROUP if nodeid.endswith(f"@{RAY_GROUP}") else _module(nodeid)
+
+    return ByModule(config, log)
+
+
+RAY_GROUP = "ray"
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 @dataclass
 class CliResult:
     returncode: int
@@ -130,17 +175,22 @@ def validate_killed_once_a_cell_is_kept(recipe: Path, out: Path, *extra: str) ->
     return command
 
 
-def processes(fragment: str):
-    """(pid, command line) of each other process whose command line contains `fragment`."""
+def processes(fragment: str, tag: str | None = None):
+    """(pid, command line) of each other process whose command line contains `fragment`; with `tag`, only
+    those whose environment holds MXSPEC_TEST_TAG=tag: what a process started with `cli_env(tag)` started,
+    however deep, and nothing that another test or pytest worker started."""
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if tag is not None and f"MXSPEC_TEST_TAG={tag}".encode() not in (cmdline.parent / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
         if fragment in line and int(cmdline.parent.name) != os.getpid():
             yield int(cmdline.parent.name), line
 
 
-def cli_env() -> dict[str, str]:
-    """The environment of an mxspec subprocess that imports this checkout's code."""
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+def cli_env(tag: str | None = None) -> dict[str, str]:
+    """The environment of an mxspec subprocess that imports this checkout's code; with `tag`, marked for
+    `processes(..., tag)`."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **({"MXSPEC_TEST_TAG": tag} if tag else {})}

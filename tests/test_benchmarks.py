@@ -39,6 +39,7 @@ def test_bench_quantize_runs_every_flow_and_checks_the_export(tmp_path):
     assert summary["source"] == "fp8" and summary["export"]["bit_exact_tensors"] > 0 and "(target <= 2.0)" in fp8
 
 
+@pytest.mark.ray
 def test_bench_executors_quantizes_with_both_encoders_here_and_on_ray(tmp_path):
     bench("bench_executors.py", "--out", tmp_path, "--skip-study", "--layers", "1", "--hidden", "256")
     results = json.loads((tmp_path / "results.json").read_text())["shards"]

@@ -25,9 +25,11 @@ config, and the Quark and torch versions; any change to one of them proves again
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 
 import numpy as np
@@ -157,14 +159,38 @@ def prove_kernel(dtype: str, weight_config, say: Callable[[str], None] = print,
                  progress: Callable[[int, int], None] | None = None) -> KernelProof:
     """The kernel's proof for inputs of `dtype`, from the cache or made now; EncoderMismatchError when a
     byte differs, BadInputError for a dtype or a weight config the kernel does not implement."""
-    from pipeline.quant.encoder import KernelEncoder, kernel_key
-
     if dtype not in PROVABLE_DTYPES:
         raise BadInputError(f"the MXFP4 kernel reads {' or '.join(PROVABLE_DTYPES)} weights, not {dtype}")
     _check_config(weight_config)
     path = _cache_path(dtype, weight_config)
     if path.exists():
         return KernelProof.model_validate_json(path.read_text())
+    with _one_prover(say):
+        if path.exists():  # made by the process we waited for
+            return KernelProof.model_validate_json(path.read_text())
+        return _prove(dtype, weight_config, path, say, progress)
+
+
+@contextmanager
+def _one_prover(say: Callable[[str], None]) -> Iterator[None]:
+    """One proof at a time per cache: processes sharing it (two runs on one machine, Ray workers on one
+    node) wait for the one proving, then read its proof. The lock dies with its holder."""
+    from pipeline.quant.encoder import cache_dir
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "proofs.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("  waiting for another process proving the MXFP4 kernel")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _prove(dtype: str, weight_config, path, say: Callable[[str], None],
+           progress: Callable[[int, int], None] | None) -> KernelProof:
+    from pipeline.quant.encoder import KernelEncoder, kernel_key
+
     kernel, quark = KernelEncoder(), _quark_routine(weight_config)
     if dtype == "float32":
         say("  proving the MXFP4 kernel identical to Quark on every float32 input (once per machine, 1-2 min)")

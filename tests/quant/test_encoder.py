@@ -87,6 +87,34 @@ def test_the_bfloat16_proof_runs_once_and_is_kept(own_cache, weight_config):
     assert prove_kernel("bfloat16", weight_config) == proof  # from the cache
 
 
+def test_a_process_that_finds_the_kernel_being_proven_waits_for_that_proof(own_cache, weight_config, monkeypatch):
+    """Two runs sharing a cache (two pytest workers, Ray workers on one node) prove once: the second waits
+    on the first's lock, says so, and reads the proof the first kept."""
+    import fcntl
+    import threading
+    import time
+
+    from pipeline.quant import proof as proof_module
+
+    proof = prove_kernel("bfloat16", weight_config, say=lambda _: None)
+    kept = next((own_cache / "proofs").glob("bfloat16-*.json"))
+    made = kept.read_bytes()
+    kept.unlink()
+    monkeypatch.setattr(proof_module, "_prove", lambda *args: pytest.fail("proved again"))
+    said, found = [], []
+    with open(own_cache / "proofs.lock", "w") as other_prover:
+        fcntl.flock(other_prover, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: found.append(prove_kernel("bfloat16", weight_config, said.append)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert said == ["  waiting for another process proving the MXFP4 kernel"] and waiter.is_alive()
+        kept.write_bytes(made)  # the other process's proof lands, then its lock goes
+    waiter.join(timeout=30)
+    assert found == [proof]
+
+
 def test_a_kernel_that_differs_from_quark_is_refused(own_cache, weight_config, monkeypatch):
     honest = KernelEncoder.encode
 

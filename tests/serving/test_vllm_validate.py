@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -24,7 +25,7 @@ from pipeline.entrypoints import run_pipeline
 from pipeline.recipe import SERVED_SUBSET, load_recipe
 from tests.conftest import RECIPES, REFERENCE_TARGET, cli_env, processes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # two tests run on Ray; all share `served`
 BUDGET = 8
 
 
@@ -247,7 +248,7 @@ def test_a_serving_cell_runs_through_the_ray_executor(served, tmp_path):
 
 def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_path):
     """Ctrl-C (SIGINT to the foreground process group) while two serving cells run as Ray tasks: exit
-    130 in one line, every server (engine processes too) and every Ray process of the study gone, no
+    130 in one line, every process validate started gone (the servers, their engines, Ray's own), no
     report, nothing kept."""
     import shutil
 
@@ -258,21 +259,25 @@ def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_pat
     recipe.write_text(reference_recipe(tmp_path, backends='["vllm"]', precisions='["bf16"]', num_prompts="12",
                                        max_tokens="256")
                       + "\n[cluster]\nexecutor = 'ray'\ndevice = 'cpu'\ncpus_per_cell = 1\n")
-    before = _pids("vllm.entrypoints.openai.api_server") | _pids("VLLM::") | _pids("raylet")
-    validate = subprocess.Popen([sys.executable, "-c", "from pipeline.cli import main; main()", "validate", str(recipe),
-                                 "--out", str(out)], env=cli_env(), cwd=RECIPES.parent, start_new_session=True,
+    tag = uuid.uuid4().hex  # marks every process this validate starts, however deep, and no other test's
+    # Python's own Ctrl-C handler, as in a terminal: a suite started in the background inherits SIGINT ignored
+    as_in_a_terminal = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    validate = subprocess.Popen([sys.executable, "-c", as_in_a_terminal + "from pipeline.cli import main; main()",
+                                 "validate", str(recipe), "--out", str(out)], env=cli_env(tag), cwd=RECIPES.parent,
+                                start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Both cells' servers answering: one core each, unpinned (ray_cells.CPU_CELL_ENV)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and validate.poll() is None:
-            servers = {pid: cmd for pid, cmd in processes("vllm.entrypoints.openai.api_server") if pid not in before}
+            servers = dict(processes("vllm.entrypoints.openai.api_server", tag))
             ports = [cmd.split("--port ")[1].split()[0] for cmd in servers.values() if "--port " in cmd]
             if len(ports) == 2 and all(_answers(f"http://127.0.0.1:{port}/health") for port in ports):
                 break
             time.sleep(1)
         else:
             raise AssertionError(f"the two servers never answered at once (validate exit code {validate.poll()})")
+        assert dict(processes("raylet", tag))  # the tag reached Ray's processes too
         time.sleep(3)  # requests in flight
         os.killpg(validate.pid, signal.SIGINT)
         _, stderr = validate.communicate(timeout=120)
@@ -282,20 +287,11 @@ def test_ctrl_c_on_ray_cancels_every_cell_and_stops_every_server(served, tmp_pat
     assert validate.returncode == 130, stderr[-2000:]
     assert "interrupted" in stderr and "Traceback" not in stderr
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (left := _pids("vllm.entrypoints.openai.api_server") | _pids("VLLM::")
-                                           | _pids("raylet") | set(_ray_workers())) - before:
+    while time.monotonic() < deadline and (left := dict(processes("", tag))):
         time.sleep(1)
-    assert not left - before, f"still running after Ctrl-C: {sorted(left - before)}"
-    assert servers.keys() and not (out / "validate").exists()
+    assert not left, f"still running after Ctrl-C: {left}"
+    assert not (out / "validate").exists()
     assert not list((out / ".mxspec" / "cells").glob("serve-*/cell.json"))  # cancelled cells are not kept
-
-
-def _pids(fragment: str) -> set[int]:
-    return {pid for pid, _ in processes(fragment)}
-
-
-def _ray_workers():
-    return (pid for pid, line in processes("ray::") if line.startswith("ray::"))
 
 
 def _answers(url: str) -> bool:

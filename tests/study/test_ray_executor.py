@@ -21,7 +21,7 @@ from pipeline.recipe import Cluster, load_recipe
 from pipeline.study.cells import TIMING_FILE, Cell, CellStore, run_cells
 from tests.conftest import ROOT, cli_env, copy_run, processes, validate_killed_once_a_cell_is_kept
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 ON_RAY = "[cluster]\nexecutor = 'ray'\n"  # device 'auto': CPUs, as these clusters have no GPU
 BEFORE_VALIDATE = shutil.ignore_patterns("validate", "gate", "publish", "cells", "logs", "lock")
