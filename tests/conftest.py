@@ -18,8 +18,8 @@ TINY = ROOT / "models" / "tiny"
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (`make test` runs two workers), each worker and what it starts compute on one
-    OpenMP thread: two workers of two threads each on two cores lose more to waiting threads than they gain."""
+    """Under pytest-xdist (`make test` runs two workers on two cores), each worker and what it starts
+    compute on one OpenMP thread, so that two workers do not put four threads on the two cores."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         if "torch" in sys.modules:
