@@ -287,7 +287,7 @@ def run_worker(name: str, source: Path, out: Path) -> dict:
 
 def prove(source: Path) -> str:
     """The kernel's proof for this checkpoint's inputs (made now, or read from the cache), untimed."""
-    from pipeline.quant.encoder import choose_encoder
+    from pipeline.quant.admission import choose_encoder
     from pipeline.quant.file_to_file import encoder_input_dtypes
 
     _, _, quantized, config = _plan(source)

@@ -42,7 +42,9 @@ def test_modules_stay_on_one_worker_and_the_ray_tests_share_one_and_start_first(
     def workers(picked) -> set[str]:
         return {worker for worker, test in ran if picked(test)}
 
-    on_ray = lambda test: "test_on_ray.py" in test or test.endswith("::test_on_ray")  # noqa: E731
+    def on_ray(test: str) -> bool:
+        return "test_on_ray.py" in test or test.endswith("::test_on_ray")
+
     assert len(workers(on_ray)) == 1
     for name in ("test_partly_on_ray.py::test_here", "test_slow.py", "test_fast.py"):
         assert len(workers(lambda test: name in test)) == 1, name

@@ -1,16 +1,10 @@
-"""The MXFP4 encoders file-to-file mode can run, and the choice between them.
+"""The MXFP4 encoders file-to-file mode can run (`admission` chooses between them).
 
 Quark is the quantizer of record. `QuarkEncoder` runs its per-weight routine (the one its own
 file-to-file flow calls), on a CUDA or ROCm device when one is present. `KernelEncoder` runs
 `mxfp4_kernel.c`, a C loop compiled on first use, about 25x faster per core than Quark's CPU path;
 it runs only where `proof.prove_kernel` has shown it bit-identical to Quark's routine on every input
-of the run's dtype, and the quantize report says which encoder ran and on what proof.
-
-[quantization] encoder: "auto" (the proven kernel, else Quark), "quark" (Quark's routine, on the
-accelerator when torch sees one, else on the CPU) or "kernel" (an error, not a fallback, when it cannot
-run). Auto prefers the kernel over an accelerator: on a few cores it keeps up with storage, so the stage
-is I/O-bound either way, and its bytes are proven to be Quark's CPU bytes, which a GPU kernel's are
-not (scripts/gpu_check.sh compares them on the tiny models)."""
+of the run's dtype, and the quantize report says which encoder ran and on what proof."""
 
 from __future__ import annotations
 
@@ -30,7 +24,7 @@ from pipeline.errors import BadInputError, ExternalError
 from pipeline.quant.mxfp4 import GROUP_SIZE
 
 __all__ = ["ENCODERS", "KERNEL_SOURCE", "cache_dir", "EncoderChoice", "QuarkEncoder", "KernelEncoder",
-    "load_kernel", "kernel_key", "choose_encoder", "build_encoder", "encode_threads"]
+    "load_kernel", "kernel_key", "encode_threads"]
 
 ENCODERS = ("auto", "quark", "kernel")
 KERNEL_SOURCE = Path(__file__).with_name("mxfp4_kernel.c")
@@ -205,39 +199,3 @@ class QuarkEncoder:
         produced: dict[str, torch.Tensor] = {}
         self._quantize(weight.to(self.device), name, name.removesuffix(".weight"), self.weight_config, produced, "")
         return produced[name].cpu(), produced[name + "_scale"].cpu()
-
-
-def _accelerator() -> str | None:
-    """The accelerator torch sees (ROCm builds report theirs as cuda), or None."""
-    return "cuda:0" if torch.cuda.is_available() else None
-
-
-def choose_encoder(choice: str, input_dtypes: set[str], weight_config, say=print) -> EncoderChoice:
-    """Resolve the recipe's `encoder` for a run whose quantized weights reach the encoder in `input_dtypes`
-    ("bfloat16", "float32"). The kernel is admitted only with a proof for each of them
-    (`proof.prove_kernel`, kept in the cache once made); "kernel" raises where "auto" falls back."""
-    from pipeline.quant.proof import prove_kernel
-
-    if choice not in ENCODERS:
-        raise BadInputError(f"encoder {choice!r} is not one of {', '.join(ENCODERS)}")
-    device = _accelerator() or "cpu"
-    if choice == "quark":
-        return EncoderChoice("quark", device, None, "the recipe asks for Quark")
-    try:
-        proofs = [prove_kernel(dtype, weight_config, say) for dtype in sorted(input_dtypes)]
-        load_kernel()
-    except (ExternalError, BadInputError) as exc:  # a mismatch (EncoderMismatchError) is an ExternalError
-        if choice == "kernel":
-            raise
-        return EncoderChoice("quark", device, None, f"auto: the kernel cannot run ({exc})")
-    return EncoderChoice("kernel", "cpu", "; ".join(p.summary() for p in proofs),
-                         f"{choice}: proven identical to Quark for {', '.join(sorted(input_dtypes))} inputs")
-
-
-def build_encoder(choice: EncoderChoice, input_dtypes: set[str], weight_config) -> KernelEncoder | QuarkEncoder:
-    """The encoder `choice` names, in this process (a Ray worker checks the kernel's proof on its own
-    machine: another CPU compiles another build, which is proven again)."""
-    if choice.name == "quark":
-        return QuarkEncoder(weight_config, choice.device if _accelerator() else "cpu")
-    choose_encoder("kernel", input_dtypes, weight_config)
-    return KernelEncoder()

@@ -159,7 +159,7 @@ def quantize_checkpoint(source: Path, out: Path, spec: Quantization, calibration
                         cluster: Cluster | None = None, say=print) -> QuantizeSummary:
     """Quantize `source` into the (empty or absent) folder `out`; verify it; return the summary. In
     file-to-file mode a Ray `cluster` quantizes the shards as Ray tasks (same bytes), and `spec.encoder`
-    picks the MXFP4 encoder (`encoder.choose_encoder`); in-memory mode is Quark's ModelQuantizer."""
+    picks the MXFP4 encoder (`admission.choose_encoder`); in-memory mode is Quark's ModelQuantizer."""
     checkpoint = read_checkpoint(source)
     if is_fp8_source(checkpoint.config):
         block_size(checkpoint.config)  # block-scaled, or one line now rather than half an export

@@ -33,7 +33,8 @@ from pipeline.checkpoints.folder import (
 )
 from pipeline.checkpoints.reader import TORCH_DTYPES, CheckpointReader
 from pipeline.checkpoints.writer import StreamingSafetensorsWriter
-from pipeline.quant.encoder import EncoderChoice, KernelEncoder, build_encoder, choose_encoder, encode_threads
+from pipeline.quant.admission import build_encoder, choose_encoder
+from pipeline.quant.encoder import EncoderChoice, KernelEncoder, encode_threads
 from pipeline.quant.mxfp4 import GROUP_SIZE
 
 __all__ = ["quantize_shard", "quantize_file_to_file", "encoder_input_dtypes"]

@@ -37,6 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import BadInputError, EncoderMismatchError
+from pipeline.quant.encoder import KernelEncoder, cache_dir, kernel_key
 from pipeline.quant.mxfp4 import GROUP_SIZE, shared_exponent
 from pipeline.run.atomic import atomic_write_text
 from pipeline.run.hashing import canonical_sha256
@@ -149,8 +150,6 @@ def _prove_f32(kernel, quark, fp4, progress: Callable[[int, int], None]) -> tupl
 
 
 def _cache_path(dtype: str, weight_config):
-    from pipeline.quant.encoder import cache_dir, kernel_key
-
     key = canonical_sha256([kernel_key(), dtype, repr(weight_config), version("amd-quark"), torch.__version__])[:20]
     return cache_dir() / "proofs" / f"{dtype}-{key}.json"
 
@@ -175,8 +174,6 @@ def prove_kernel(dtype: str, weight_config, say: Callable[[str], None] = print,
 def _one_prover(say: Callable[[str], None]) -> Iterator[None]:
     """One proof at a time per cache: processes sharing it (two runs on one machine, Ray workers on one
     node) wait for the one proving, then read its proof. The lock dies with its holder."""
-    from pipeline.quant.encoder import cache_dir
-
     cache_dir().mkdir(parents=True, exist_ok=True)
     with open(cache_dir() / "proofs.lock", "w") as handle:
         try:
@@ -189,8 +186,6 @@ def _one_prover(say: Callable[[str], None]) -> Iterator[None]:
 
 def _prove(dtype: str, weight_config, path, say: Callable[[str], None],
            progress: Callable[[int, int], None] | None) -> KernelProof:
-    from pipeline.quant.encoder import KernelEncoder, kernel_key
-
     kernel, quark = KernelEncoder(), _quark_routine(weight_config)
     if dtype == "float32":
         say("  proving the MXFP4 kernel identical to Quark on every float32 input (once per machine, 1-2 min)")

@@ -13,7 +13,8 @@ import torch
 from pipeline.checkpoints import fp8
 from pipeline.errors import BadInputError, EncoderMismatchError, ExternalError
 from pipeline.quant import mxfp4
-from pipeline.quant.encoder import KernelEncoder, QuarkEncoder, choose_encoder
+from pipeline.quant.admission import choose_encoder
+from pipeline.quant.encoder import KernelEncoder, QuarkEncoder
 from pipeline.quant.proof import prove_kernel
 from pipeline.quant.quark import quark_config
 
