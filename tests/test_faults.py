@@ -4,9 +4,10 @@ Every kill is followed by a rerun that must end with the artifacts of a clean ru
 byte for byte except the fields the schemas declare volatile (`pipeline.run.artifacts.volatile_fields`:
 timings, measurements, the Hub's commit id). A kill point names the stage the run starts at (later
 stages not done yet, as in a first run) and when to kill: some time after the run announces the
-stage, or exactly at the run's n-th rename(2) (strace injects the SIGKILL there: before a manifest
-lands, between a complete stage folder and its rename into place, or between moving the old folder
-aside and renaming the new one in). Publishing is killed against a fresh local Hub each time, with
+stage, or exactly at a system call, where strace injects the SIGKILL: the run's n-th rename(2) (before
+a manifest lands, between a complete stage folder and its rename into place, or between moving the
+old folder aside and renaming the new one in), or the n-th write(2) to one file of the stage's
+unfinished folder (a checkpoint half written). Publishing is killed against a fresh local Hub each time, with
 slow LFS uploads, and once after its commit landed but before the answer came back: the rerun must
 not commit again.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.run.artifacts import PublishResult, StageManifest, volatile_fields
+from pipeline.run.atomic import TMP_MARK
 from pipeline.run.layout import MANIFEST, RunLayout
 from pipeline.run.runner import read_manifest
 from tests.support import local_hub
@@ -44,15 +46,15 @@ VOLATILE_FILES = {"publish/publish.json": volatile_fields(PublishResult)}
 class KillPoint:
     stage: str  # the run starts with this stage and the later ones not done
     after_s: float | None = None  # kill this long after the run announces the stage ...
-    fraction: float | None = None  # ... or this far into the stage, as long as it took in the clean run
     rename: int | None = None  # ... or at the run's n-th rename(2), before it happens
+    write: tuple[str, int] | None = None  # ... or at the n-th write(2) to this file of the unfinished stage
     commit_landed: bool = False  # ... or (publish) as soon as the Hub's main branch moved
     force: bool = False  # the stage's earlier output stays, and is replaced (`--force STAGE`)
     alone: bool = False  # only this stage is not done; the later ones are (a deleted checkpoint, say)
 
     def __str__(self) -> str:
-        when = (f"+{self.after_s:g}s" if self.after_s is not None else f"at {self.fraction:.0%}" if self.fraction
-                else f"at rename #{self.rename}" if self.rename else "after the commit landed")
+        when = (f"+{self.after_s:g}s" if self.after_s is not None else f"at rename #{self.rename}" if self.rename
+                else f"at write #{self.write[1]} to {self.write[0]}" if self.write else "after the commit landed")
         return f"{self.stage} {when}" + (" (replacing)" if self.force else " (alone)" if self.alone else "")
 
 
@@ -134,7 +136,7 @@ class Campaign:
         done = mxspec("run", recipe, "--out", out, "--until", until, env=env)
         assert done.returncode == 0, done.stderr
         self.expected = normalized(out)
-        self.durations = {stage: read_manifest(out / stage).duration_s for stage in self.stages}
+        self.sizes = {path.relative_to(out).as_posix(): path.stat().st_size for path in out.rglob("*") if path.is_file()}
         self.landed: list[tuple[str, str]] = []  # (kill point, stage the run was in when killed)
 
     def kill_and_rerun(self, point: KillPoint) -> None:
@@ -185,16 +187,36 @@ class Campaign:
             if proc.poll() is not None or time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+        if point.write:
+            return self._kill_at_write(proc, point)
         if point.after_s is not None:
             time.sleep(point.after_s)
-        if point.fraction is not None:
-            time.sleep(point.fraction * self.durations[point.stage])
         while point.commit_landed and proc.poll() is None and len(self.hub.main_commits()) < 2:
             time.sleep(0.05)
         if proc.poll() is not None:
             return False
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        return True
+
+    def _kill_at_write(self, proc: subprocess.Popen, point: KillPoint) -> bool:
+        """strace, attached once the stage's unfinished folder exists (its name is random), kills the run
+        at that write(2), which leaves the file shorter than in the clean run; False when the run ended first."""
+        while (unfinished := next(self.out.glob(f".{point.stage}{TMP_MARK}*"), None)) is None:
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.005)
+        name, nth = point.write
+        tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(proc.pid),
+                                   "-P", str(unfinished / name), "-e", "trace=write",
+                                   "-e", f"inject=write:signal=KILL:when={nth}"])
+        try:
+            if proc.wait(timeout=300) != -signal.SIGKILL:
+                return False
+        finally:
+            tracer.wait(timeout=30)
+        cut, clean = (unfinished / name).stat().st_size, self.sizes[f"{point.stage}/{name}"]
+        assert cut < clean, f"{point}: {name} has {cut} bytes, as many as the clean run's {clean}: not cut short"
         return True
 
     def _check_after_kill(self, proc: subprocess.Popen, point: KillPoint) -> None:
@@ -232,12 +254,13 @@ def hub_env(hub: Hub, home: Path) -> dict[str, str]:
             "HF_HUB_OFFLINE": "0", "MXSPEC_HUB_TIMEOUT_S": "120"}
 
 
-# Timed kills where a stage is long (about 20 s each for quantize and validate here: validate imports
-# torch and Quark when it is the first stage a run does); kills at a rename
-# (strace, which makes a traced run several times slower) where a stage is short.
+# Kills at a system call wherever the point is a state of the run (a file half written, a rename not
+# yet made), so the kill lands there however loaded the machine is; timed kills only where any moment
+# of a long stretch will do (validate measuring its cells for about 20 s, uploads of 1.5 s each).
 IN_MEMORY_POINTS = [
-    # the rerun quantizes again, to the same bytes: every later stage stays up to date
-    KillPoint("quantize", fraction=0.7, alone=True),
+    # Quark's export has begun (the checkpoint's config is being written, its weights not yet); the
+    # rerun quantizes again, to the same bytes, and every later stage stays up to date
+    KillPoint("quantize", write=("checkpoint/config.json", 1), alone=True),
     KillPoint("validate", after_s=14),  # while it measures its cells
     KillPoint("gate", rename=1),  # the verdict is written, its manifest not yet in place
     KillPoint("gate", rename=2),  # the stage folder is complete, not yet renamed into place
@@ -248,7 +271,10 @@ IN_MEMORY_POINTS = [
     KillPoint("publish", rename=1),  # uploaded and verified, publish.json's manifest not yet in place
     KillPoint("publish", rename=3, force=True),
 ]
-FILE_TO_FILE_POINTS = [KillPoint("quantize", fraction=f) for f in (0.1, 0.8)]
+FILE_TO_FILE_POINTS = [
+    KillPoint("quantize", write=("checkpoint/model.safetensors", 3)),  # its header and first tensor written
+    KillPoint("quantize", write=("mxspec-quantize.json", 1)),  # the checkpoint verified, its summary not written
+]
 
 
 def test_killed_runs_resume_to_the_same_artifacts(mxspec, tiny, hub, tmp_path):
