@@ -152,9 +152,7 @@ class Campaign:
         command = [str(self.mxspec.exe), "run", str(self.recipe), "--out", str(self.out), "--until", self.stages[-1]]
         command += ["--force", point.stage] if point.force else []
         if point.rename:
-            # (not --seccomp-bpf: strace 6.1 then injects nothing)
-            command = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=rename",
-                       "-e", f"inject=rename:signal=KILL:when={point.rename}", *command]
+            command = [*kill_at_syscall("rename", point.rename), *command]
         proc = subprocess.Popen(command, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         lines: list[str] = []
@@ -207,9 +205,7 @@ class Campaign:
                 return False
             time.sleep(0.005)
         name, nth = point.write
-        tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(proc.pid),
-                                   "-P", str(unfinished / name), "-e", "trace=write",
-                                   "-e", f"inject=write:signal=KILL:when={nth}"])
+        tracer = subprocess.Popen([*kill_at_syscall("write", nth), "-p", str(proc.pid), "-P", str(unfinished / name)])
         try:
             if proc.wait(timeout=300) != -signal.SIGKILL:
                 return False
@@ -232,6 +228,12 @@ class Campaign:
         for stage in STAGES:  # a stage folder is complete (a manifest) or absent: never half-written
             if (self.out / stage).exists():
                 assert read_manifest(self.out / stage) is not None, f"{point}: {stage} left without a manifest"
+
+
+def kill_at_syscall(call: str, nth: int) -> list[str]:
+    """strace, tracing the run and its children, SIGKILLs it at its n-th `call` (before the call happens).
+    Not --seccomp-bpf: strace 6.1 then injects nothing."""
+    return ["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={call}", "-e", f"inject={call}:signal=KILL:when={nth}"]
 
 
 def _stage_at_the_end(lines: list[str]) -> str:
